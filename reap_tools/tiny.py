@@ -1,0 +1,118 @@
+"""Tiny random Kimi K3 checkpoints in the release layout, for tests, benchmarks and first runs.
+
+`write_checkpoint(dst, ...)` saves a model with `save_pretrained` and puts the remote-code files and `auto_map`
+beside it, so `AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True)` loads it like the real release.
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+
+import torch
+
+from configuration_kimi_k3 import KimiK3Config
+from modeling_kimi_k3 import KimiK3ForCausalLM
+from mxfp4 import mxfp4_quantization_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kda.py", "mxfp4.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModel": "modeling_kimi_k3.KimiK3Model",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+}
+
+
+def tiny_text_config(**overrides):
+    """A small text config with every architectural feature of the release: KDA and MLA layers (1-based lists),
+    a dense layer 0, LatentMoE with shared experts, and more than one attention-residual block."""
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=2,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=32,
+        attn_res_block_size=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        max_position_embeddings=4096,
+        linear_attn_config=dict(num_heads=4, head_dim=16, full_attn_layers=[3, 6], kda_layers=[1, 2, 4, 5]),
+        bos_token_id=256,
+        eos_token_id=258,
+        pad_token_id=511,
+    )
+    text.update(overrides)
+    return text
+
+
+def tiny_config(packed=True, **text_overrides):
+    """Top-level config around `tiny_text_config`; with `packed` the routed experts are MXFP4."""
+    text = tiny_text_config(**text_overrides)
+    return KimiK3Config(
+        text_config=text,
+        quantization_config=mxfp4_quantization_config() if packed else None,
+        bos_token_id=text["bos_token_id"],
+        eos_token_id=text["eos_token_id"],
+        pad_token_id=text["pad_token_id"],
+        auto_map=dict(AUTO_MAP),
+    )
+
+
+def random_model(config, seed=0):
+    """A randomly initialised model in eval mode; the router bias gets small random values so it matters."""
+    torch.manual_seed(seed)
+    model = KimiK3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                param.normal_(0.0, 0.05)
+            elif name.endswith("_res_proj.weight"):
+                param.normal_(0.0, 0.05)
+    return model
+
+
+def copy_model_code(dst):
+    """Put the remote-code files next to a checkpoint."""
+    for name in MODEL_CODE:
+        shutil.copyfile(os.path.join(ROOT, name), os.path.join(dst, name))
+
+
+def write_checkpoint(dst, model=None, packed=True, seed=0, max_shard_size=None, **text_overrides):
+    """Save `model` (or a fresh random tiny one) in the release layout at `dst`, atomically (temp dir + rename)."""
+    if os.path.exists(dst):
+        raise FileExistsError(f"{dst}: already exists")
+    model = model if model is not None else random_model(tiny_config(packed, **text_overrides), seed)
+    model.config.auto_map = dict(AUTO_MAP)
+    parent = os.path.dirname(os.path.abspath(dst))
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
+    try:
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(tmp, **kwargs)
+        copy_model_code(tmp)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m reap_tools tiny", description=__doc__.splitlines()[0])
+    parser.add_argument("dst", help="output checkpoint directory (must not exist)")
+    parser.add_argument("--bf16-experts", action="store_true", help="plain routed experts instead of MXFP4")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-shard-size", default=None, help='e.g. "200KB" to write several shards')
+    args = parser.parse_args(argv)
+    write_checkpoint(args.dst, packed=not args.bf16_experts, seed=args.seed, max_shard_size=args.max_shard_size)
+    print(f"wrote {args.dst}")
+    return 0
