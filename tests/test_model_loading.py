@@ -124,9 +124,9 @@ def test_device_map_auto_with_disk_offload_gives_the_same_logits(packed_checkpoi
         packed_checkpoint,
         trust_remote_code=True,
         device_map="auto",
-        max_memory={"cpu": "300KB"},
+        max_memory={"cpu": "600KB"},
         offload_folder=str(tmp_path / "offload"),
     )
     placements = set(offloaded.hf_device_map.values())
-    assert "disk" in placements, offloaded.hf_device_map
+    assert {"cpu", "disk"} <= placements, offloaded.hf_device_map
     assert torch.allclose(logits_of(offloaded), logits_of(reference), atol=1e-5, rtol=1e-5)

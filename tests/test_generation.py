@@ -1,0 +1,98 @@
+"""Generation with the hybrid cache: cached == uncached, padding-invariant, prefill + decode == one forward."""
+
+import pytest
+import torch
+
+from reap_tools.tiny import random_model, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = random_model(tiny_config(packed=True), seed=3)
+    model.generation_config.eos_token_id = None  # run every step; the tiny model emits anything
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    return model
+
+
+def test_greedy_with_cache_equals_argmax_without_cache(model):
+    prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3]])
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=32, do_sample=False)
+        ids = prompt
+        for _ in range(32):
+            next_id = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_id], dim=1)
+    assert torch.equal(generated, ids)
+
+
+def test_use_cache_false_generates_the_same(model):
+    prompt = torch.tensor([[9, 8, 7, 6, 5]])
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        uncached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_left_padded_batch_equals_each_prompt_alone(model):
+    prompts = [[4, 8, 15, 16, 23, 42, 99, 100, 7], [300, 2, 17], [55, 66, 77, 88, 10]]
+    pad = model.config.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        batch_logits = model(ids, attention_mask=mask).logits
+        for row, p in enumerate(prompts):
+            alone = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)
+            assert batched[row, width:].tolist() == alone[0, len(p):].tolist()
+            alone_logits = model(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(batch_logits[row, width - len(p):], alone_logits, atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_then_decode_equals_one_forward(model):
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]])
+    with torch.no_grad():
+        full = model(ids).logits
+        prefill = model(ids[:, :-1], use_cache=True)
+        step = model(ids[:, -1:], past_key_values=prefill.past_key_values, use_cache=True).logits
+        torch.testing.assert_close(step[:, 0], full[:, -1], atol=1e-5, rtol=1e-4)
+        first = model(ids[:, :6], use_cache=True)
+        rest = model(ids[:, 6:], past_key_values=first.past_key_values, use_cache=True).logits
+        torch.testing.assert_close(rest, full[:, 6:], atol=1e-5, rtol=1e-4)
+
+
+def test_sampling_and_beam_search(model):
+    prompt = torch.tensor([[21, 22, 23, 24]])
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a = model.generate(prompt, max_new_tokens=8, do_sample=True, temperature=1.0, top_p=0.95)
+        torch.manual_seed(0)
+        b = model.generate(prompt, max_new_tokens=8, do_sample=True, temperature=1.0, top_p=0.95)
+        assert a.shape == (1, 12) and torch.equal(a, b)
+        beams = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False)
+        beams_uncached = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, use_cache=False)
+    assert torch.equal(beams, beams_uncached)
+
+
+def test_assisted_generation_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="stateful|assist"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, assistant_model=model)
+
+
+def test_packed_experts_equal_their_dequantized_bf16_twin():
+    packed = random_model(tiny_config(packed=True), seed=5)
+    plain = random_model(tiny_config(packed=False), seed=5)
+    state = packed.state_dict()
+    from mxfp4 import dequantize_mxfp4
+
+    converted = {}
+    for name, tensor in state.items():
+        if name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            converted[base] = dequantize_mxfp4(tensor, state[base + "_scale"], dtype=torch.float32)
+        elif not name.endswith(".weight_scale"):
+            converted[name] = tensor
+    plain.load_state_dict(converted, strict=True)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, plain(ids).logits, atol=1e-5, rtol=1e-5)
