@@ -1,0 +1,67 @@
+"""Generate with a Kimi K3 checkpoint through `pipeline("text-generation", trust_remote_code=True)`.
+
+Without `--model` it runs the small trained demo that ships in `demo/`. With `--chat` the prompt becomes a user
+message rendered with the K3 chat template, and the reply is split into reasoning and content.
+"""
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(ROOT, "demo", "reap20")
+DEFAULT_PROMPT = "def fibonacci(n):\n"
+
+
+def load_pipeline(model_dir, device_map=None):
+    from transformers import pipeline
+
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir}: not a checkpoint directory (no config.json)")
+    kwargs = {"device_map": device_map} if device_map else {}
+    return pipeline("text-generation", model=model_dir, trust_remote_code=True, **kwargs)
+
+
+def complete(pipe, prompt, max_new_tokens=64, sample=False):
+    """Plain completion: the prompt followed by the generated continuation."""
+    options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)
+    out = pipe(prompt, max_new_tokens=max_new_tokens, return_full_text=False, **options)
+    return prompt + out[0]["generated_text"]
+
+
+def chat(pipe, prompt, max_new_tokens=256, sample=True, thinking=True):
+    """One user turn; returns the parsed reply (reasoning_content, content, tool_calls and flags)."""
+    from kimi_k3_parsing import parse
+
+    options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)
+    messages = [{"role": "user", "content": prompt}]
+    out = pipe(messages, max_new_tokens=max_new_tokens, tokenizer_encode_kwargs={"thinking": thinking}, **options)
+    reply = out[0]["generated_text"][-1]["content"]
+    return parse(reply)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m reap_tools generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped demo)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (completion) or 256 (chat)")
+    parser.add_argument("--chat", action="store_true", help="use the chat template; print reasoning and content")
+    parser.add_argument("--no-thinking", action="store_true", help="with --chat: answer without the think channel")
+    parser.add_argument("--sample", action="store_true", help="sample (temperature 1.0, top_p 0.95); default greedy")
+    parser.add_argument("--device-map", default=None, help='e.g. "auto" to spread a large model over GPUs')
+    args = parser.parse_args(argv)
+    pipe = load_pipeline(args.model, args.device_map)
+    if not args.chat:
+        print(complete(pipe, args.prompt, args.max_new_tokens or 64, args.sample))
+        return 0
+    reply = chat(pipe, args.prompt, args.max_new_tokens or 256, args.sample, thinking=not args.no_thinking)
+    print("--- reasoning ---")
+    print(reply.get("reasoning_content") or "")
+    print("--- content ---")
+    print(reply.get("content") or "")
+    for call in reply.get("tool_calls") or []:
+        print(f"--- tool call --- {call['function']['name']}({call['function']['arguments']})")
+    for key in ("warning", "error"):
+        if reply.get(key):
+            print(f"--- {key} --- {reply[key]}", file=sys.stderr)
+    return 0
