@@ -212,21 +212,47 @@ class KimiK3MLAttention(nn.Module):
         q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
+        past = cache.latents[self.layer_idx] if cache is not None else None
+        if past is not None:
+            latent = torch.cat([past, latent], dim=1)
         if cache is not None:
-            past = cache.latents[self.layer_idx]
-            latent = latent if past is None else torch.cat([past, latent], dim=1)
             cache.latents[self.layer_idx] = latent
-        c, k_r = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        keys_total = latent.shape[1]
-        kv = self.kv_b_proj(c).view(batch, keys_total, self.num_heads, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, self.num_heads, -1, -1)], dim=-1)
-        mask = _causal_padding_mask(attention_mask, batch, length, keys_total, x.device)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        mask = _causal_padding_mask(attention_mask, batch, length, latent.shape[1], x.device)
+        # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
+        # own forward, so an offloaded (meta) weight takes the expanding path.
+        absorb = past is not None and length <= self.ABSORB_MAX_QUERIES and self.kv_b_proj.weight.device.type != "meta"
+        attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         if self.use_output_gate:
             attn = attn * torch.sigmoid(self.g_proj(x))
         return self.o_proj(attn)
+
+    # Absorbing kv_b_proj costs ~ (kv_lora_rank + rope) per query per key instead of expanding every cached key
+    # to heads x (nope + v); it wins while the queries are few next to the keys, as in decode.
+    ABSORB_MAX_QUERIES = 16
+
+    def attend_expanded(self, q, latent, mask):
+        """Reference: expand per-head K/V from the latent with kv_b_proj, then causal SDPA. q: [B, heads, Tq, 192]."""
+        batch, keys = latent.shape[:2]
+        c, k_r = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c).view(batch, keys, self.num_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, self.num_heads, -1, -1)], dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+    def attend_absorbed(self, q, latent, mask):
+        """Same attention in the latent space: q_nope is mapped through W_UK^T onto the latent, the softmax-weighted
+        latent is mapped through W_UV per head; per-head K/V are never materialised."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c, k_r = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_latent = torch.einsum("bhqd,hdr->bhqr", q_nope, w_uk)
+        scores = torch.einsum("bhqr,bkr->bhqk", q_latent, c) + torch.einsum("bhqd,bkd->bhqk", q_rope, k_r)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(c.dtype)
+        return torch.einsum("bhqr,hvr->bhqv", torch.einsum("bhqk,bkr->bhqr", probs, c), w_uv)
 
 
 def _causal_padding_mask(attention_mask, batch, queries, keys, device):

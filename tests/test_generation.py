@@ -96,3 +96,21 @@ def test_packed_experts_equal_their_dequantized_bf16_twin():
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, plain(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_latent_absorbed_mla_equals_expanded_attention():
+    from modeling_kimi_k3 import KimiK3MLAttention, _causal_padding_mask
+
+    config = tiny_config(packed=False).text_config
+    torch.manual_seed(0)
+    attention = KimiK3MLAttention(config, layer_idx=2).double()
+    for p in attention.parameters():
+        p.data.normal_(0, 0.2)
+    batch, queries, keys = 2, 3, 11
+    q = torch.randn(batch, config.num_attention_heads, queries, 12, dtype=torch.float64)
+    latent = torch.randn(batch, keys, config.kv_lora_rank + config.qk_rope_head_dim, dtype=torch.float64)
+    padding = torch.ones(batch, keys, dtype=torch.long)
+    padding[1, :4] = 0
+    mask = _causal_padding_mask(padding, batch, queries, keys, q.device)
+    torch.testing.assert_close(attention.attend_absorbed(q, latent, mask), attention.attend_expanded(q, latent, mask),
+                               atol=1e-10, rtol=1e-10)
