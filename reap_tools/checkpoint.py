@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,7 @@ def read_header(path: str | Path) -> ShardHeader:
     for name, entry in header.items():
         try:
             start, end = (int(x) for x in entry["data_offsets"])
-            info = TensorInfo(name, str(entry["dtype"]), tuple(int(d) for d in entry["shape"]), path,
+            info = TensorInfo(name, sys.intern(str(entry["dtype"])), tuple(int(d) for d in entry["shape"]), path,
                               base + start, base + end)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path.name}: tensor {name}: malformed header entry {entry!r}") from e
@@ -133,12 +134,13 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
     entries: (name, dtype, shape, nbytes). The JSON is space-padded to a multiple of 8 bytes,
     as the safetensors writer does, so the data section starts aligned.
     """
-    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    parts = [f'"__metadata__":{json.dumps(metadata or {"format": "pt"}, separators=(",", ":"))}']
     offset = 0
     for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        parts.append(f'{json.dumps(name)}:{{"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],'
+                     f'"data_offsets":[{offset},{offset + nbytes}]}}')
         offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = ("{" + ",".join(parts) + "}").encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
@@ -255,7 +257,7 @@ def scan_moe(tensors: dict[str, TensorInfo]) -> dict[int, MoeLayer]:
         rest = m["rest"]
         e = EXPERT_RE.match(rest)
         if e:
-            layer.experts.setdefault(int(e["expert"]), {})[e["suffix"]] = t
+            layer.experts.setdefault(int(e["expert"]), {})[sys.intern(e["suffix"])] = t
         elif rest.startswith("experts."):
             raise CheckpointError(f"{t.name}: fused/unknown expert tensor layout (expected experts.<id>.<w>)")
         elif rest == GATE_NAME:

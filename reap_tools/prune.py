@@ -45,7 +45,7 @@ class SelectionError(ValueError):
     """A selection does not fit the checkpoint it is applied to."""
 
 
-@dataclass
+@dataclass(slots=True)
 class OutTensor:
     """One output tensor: its new name/shape and the source byte ranges that make it up."""
 
@@ -237,6 +237,7 @@ def prune_checkpoint(src_dir: str | Path, selection: str | Path | dict, dst_dir:
     kept = validate_selection(selection, config, moe)
     selection["layers"] = {str(i): ids for i, ids in sorted(kept.items())}
     shards = split_shards(plan_output(tensors, moe, kept), parse_size(max_shard_size))
+    del tensors, moe  # the plan holds what the copy needs; free the full tensor list for the writes
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     total = sum(t.nbytes for shard in shards for t in shard)
     delay = float(os.environ.get(DELAY_ENV) or 0)
