@@ -358,8 +358,8 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-class _Terminated(BaseException):
-    """Raised from the SIGTERM handler so cleanup runs as for Ctrl-C."""
+class Terminated(KeyboardInterrupt):
+    """Raised from the SIGTERM handler so cleanup (and callers) treat it as Ctrl-C."""
 
 
 @contextlib.contextmanager
@@ -382,7 +382,7 @@ def atomic_output_dir(dst: str | Path):
     restore = None
     if threading.current_thread() is threading.main_thread():
         def on_term(signum, frame):
-            raise _Terminated(signum)
+            raise Terminated(signum)
         restore = signal.signal(signal.SIGTERM, on_term)
     try:
         yield tmp

@@ -2,16 +2,22 @@
 
     python -m reap_tools plan REPORT.json [-n 320 | --budget B [--min-per-layer F]]
         [--criterion reap|frequency|ean|random] [--seed 0] [--protect-super K]
-        [--checkpoint DIR] [-o reap_selection.json] [--heatmap reap_selection.png | --no-heatmap]
+        [--checkpoint DIR] [--allow-incomplete] [-o reap_selection.json]
+        [--heatmap reap_selection.png | --no-heatmap]
 
 Saliency report (written by `observe`), JSON:
 
-    {"model": {"name_or_path": str, "revision": str | null, "num_hidden_layers": int,
+    {"format": "reap-saliency/1",                # optional; another value is refused
+     "model": {"name_or_path": str, "revision": str | null, "num_hidden_layers": int,
                "num_experts": int, "num_experts_per_token": int, "moe_layers": [int, ...],
                "num_experts_per_layer": [int, ...]   # optional, for an already non-uniform model
               },
      "calibration": {"files": [...], "num_tokens": int, "seq_len": int, ...},   # free-form, kept
+     "progress": {"sequences_done": int, "total_sequences": int, "complete": bool},  # optional
      "layers": {"<i>": {"count": [E], "reap_sum": [E], "ean_sum": [E], "max_norm": [E]}, ...}}
+
+A report whose progress.complete is false (an interrupted observe) is refused unless
+--allow-incomplete; extra keys are ignored.
 
 per MoE layer i and expert j: count = tokens routed to j (padding excluded), reap_sum = sum over
 those tokens of g_j(x)·||f_j(x)||₂ (g the renormalised sigmoid weight the model applies, f the
@@ -58,6 +64,7 @@ import numpy as np
 from .checkpoint import CheckpointError, experts_per_layer, read_config, text_config, write_json
 
 CRITERIA = ("reap", "frequency", "ean", "random")
+REPORT_FORMAT = "reap-saliency/1"
 FIELDS = ("count", "reap_sum", "ean_sum", "max_norm")
 DEFAULT_N = 320
 
@@ -66,13 +73,13 @@ class PlanError(ValueError):
     """The report or the requested plan is invalid; the message says which layer/field."""
 
 
-def load_report(path: str | Path) -> dict:
+def load_report(path: str | Path, *, allow_incomplete: bool = False) -> dict:
     """Read a saliency report and check its schema (see the module docstring)."""
     try:
         report = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"cannot read report {path}: {e}") from e
-    validate_report(report)
+    validate_report(report, allow_incomplete=allow_incomplete)
     return report
 
 
@@ -83,7 +90,15 @@ def report_experts(report: dict) -> dict[int, int]:
     return {i: int(per_layer[i]) if per_layer else int(model["num_experts"]) for i in model["moe_layers"]}
 
 
-def validate_report(report: dict) -> None:
+def validate_report(report: dict, *, allow_incomplete: bool = False) -> None:
+    if not isinstance(report, dict):
+        raise PlanError("report is not a JSON object")
+    if report.get("format", REPORT_FORMAT) != REPORT_FORMAT:
+        raise PlanError(f"report format is {report['format']!r}, expected {REPORT_FORMAT!r}")
+    progress = report.get("progress") or {}
+    if progress.get("complete") is False and not allow_incomplete:
+        raise PlanError(f"report is incomplete ({progress.get('sequences_done')} of {progress.get('total_sequences')} "
+                        f"sequences observed); finish `observe --resume` or pass --allow-incomplete")
     model = report.get("model")
     if not isinstance(model, dict):
         raise PlanError("report has no 'model' object")
@@ -280,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed for --criterion random (default 0)")
     ap.add_argument("--protect-super", type=int, default=0, metavar="K",
                     help="always keep the K experts with the largest max activation norm per layer")
+    ap.add_argument("--allow-incomplete", action="store_true", help="plan from an interrupted observe report")
     ap.add_argument("--checkpoint", type=Path, help="checkpoint dir (or config.json) the plan is for; "
                                                     "refuses a report from another model")
     ap.add_argument("-o", "--output", type=Path, default=Path("reap_selection.json"), help="selection JSON to write")
@@ -289,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_per_layer is not None and args.budget is None:
         ap.error("--min-per-layer only applies with --budget")
     try:
-        report = load_report(args.report)
+        report = load_report(args.report, allow_incomplete=args.allow_incomplete)
         if args.checkpoint is not None:
             check_report_matches(report, read_config(args.checkpoint))
         selection = plan_selection(report, num_experts=args.num_experts, budget=args.budget,

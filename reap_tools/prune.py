@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, SelectionError, FileExistsError, ValueError) as e:
         print(f"prune: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"prune: interrupted; the partial output was removed and {args.dst} not created", file=sys.stderr)
+        return 130
     counts = sorted(set(r.experts_per_layer.values()))
     print(f"pruned {args.src} -> {r.dst}: {len(r.experts_per_layer)} MoE layers keep "
           f"{counts[0] if len(counts) == 1 else f'{counts[0]}..{counts[-1]}'} experts; "

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .checkpoint import (
     CONFIG_NAME, INDEX_NAME, SELECTION_NAME, SINGLE_NAME, CheckpointError, ShardHeader, TensorInfo,
     experts_per_layer, human, load_tensors, quantization_config, read_config, read_header,
-    read_index, read_json, scan_moe, sha256_ranges, text_config,
+    read_index, scan_moe, sha256_ranges, text_config,
 )
 from .prune import SelectionError, load_selection, validate_selection
 
@@ -164,6 +164,9 @@ def check_config(path: Path, tensors: dict[str, TensorInfo], errors: list[str], 
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
         errors.append(f"{CONFIG_NAME}: {e!r}")
         return None
+    if tc.get("num_experts_per_layer") is not None and counts and int(tc["num_experts"]) != max(counts.values()):
+        errors.append(f"{CONFIG_NAME}: num_experts is {tc['num_experts']}, the largest of num_experts_per_layer "
+                      f"is {max(counts.values())}")
     try:
         moe = scan_moe(tensors)
     except CheckpointError as e:
@@ -274,16 +277,17 @@ def verify_checkpoint(path: str | Path, *, source: str | Path | None = None, sel
         return result
     tensors = check_structure(result.path, result.errors, result.stats)
     config = check_config(result.path, tensors, result.errors, result.stats) if tensors else None
-    if config is not None and selection is None and source is None and (result.path / SELECTION_NAME).exists():
+    embedded = result.path / SELECTION_NAME
+    if config is not None and source is None and (selection is not None or embedded.exists()):
         try:
-            kept = read_json(result.path / SELECTION_NAME).get("layers") or {}
+            kept = load_selection(selection if selection is not None else embedded).get("layers") or {}
             counts = experts_per_layer(text_config(config))
             for key, ids in kept.items():
                 if counts.get(int(key)) != len(ids):
                     result.errors.append(f"layer {key}: {CONFIG_NAME} says {counts.get(int(key))} experts, "
-                                         f"{SELECTION_NAME} keeps {len(ids)}")
+                                         f"the selection keeps {len(ids)}")
         except (CheckpointError, ValueError, TypeError) as e:
-            result.errors.append(f"{SELECTION_NAME}: {e}")
+            result.errors.append(f"selection: {e}")
     if source is not None and config is not None:
         check_against_source(result.path, tensors, config, Path(source), selection,
                              workers or min(8, os.cpu_count() or 1), progress, result.errors, result.stats)

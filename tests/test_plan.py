@@ -175,3 +175,17 @@ def test_cli_refuses_mismatched_checkpoint(tmp_path):
     run = subprocess.run([sys.executable, "-m", "reap_tools", "plan", str(report), "-n", "4", "--checkpoint", str(src),
                           "-o", str(tmp_path / "sel.json")], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 1 and "another model" in run.stderr and not (tmp_path / "sel.json").exists()
+
+
+def test_incomplete_or_foreign_report(tmp_path):
+    report = make_report()
+    report["format"] = "reap-saliency/1"
+    report["progress"] = {"sequences_done": 3, "total_sequences": 10, "complete": False}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    with pytest.raises(PlanError, match="incomplete .3 of 10"):
+        load_report(tmp_path / "r.json")
+    assert load_report(tmp_path / "r.json", allow_incomplete=True)["progress"]["complete"] is False
+    report["format"] = "something-else/2"
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    with pytest.raises(PlanError, match="format"):
+        load_report(tmp_path / "r.json", allow_incomplete=True)

@@ -321,3 +321,15 @@ def test_verify_config_mismatch(src, tmp_path):
     errors = "\n".join(verify_checkpoint(dst, progress=False).errors)
     assert f"tensor {P}1.block_sparse_moe.experts.3.w1.weight_packed: missing" in errors
     assert f"tensor {P}1.block_sparse_moe.gate.weight: shape [3, 64], config implies [4, 64]" in errors
+
+
+def test_verify_selection_and_per_layer_counts_against_config(src, tmp_path):
+    dst = tmp_path / "pruned"
+    prune_checkpoint(src, selection({1: [0, 1], 2: [0, 2, 4, 6, 7], 3: [1, 3, 5]}), dst, progress=False)
+    other = selection({1: [0, 1, 2], 2: [0, 2, 4, 6, 7], 3: [1, 3, 5]})
+    errors = verify_checkpoint(dst, selection=other, progress=False).errors
+    assert errors == ["layer 1: config.json says 2 experts, the selection keeps 3"]
+    config = json.loads((dst / "config.json").read_text())
+    config["text_config"]["num_experts"] = 8
+    (dst / "config.json").write_text(json.dumps(config))
+    assert any("largest of num_experts_per_layer is 5" in e for e in verify_checkpoint(dst, progress=False).errors)
