@@ -306,8 +306,8 @@ class StreamParser:
                 return True
         if not stripped or (not final and any(marker.startswith(stripped) for marker in (*dict(options), *END_MARKERS))):
             return False
-        where = self._state.removeprefix("after_")
-        self._malformed(f"unexpected text after the {where} channel: {stripped[:40]!r}", "")
+        # The error names no text: how much of it has arrived depends on the chunking.
+        self._malformed(f"unexpected text after the {self._state.removeprefix('after_')} channel", "")
         self._state = "raw"
         return True
 
