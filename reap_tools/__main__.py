@@ -14,6 +14,7 @@ import sys
 VERBS: dict[str, tuple[str, str]] = {
     "bpe": ("bpe", "train a byte-level BPE vocabulary and write a tiktoken.model"),
     "quantize": ("quantize", "quantize the routed experts of a bf16/fp32 checkpoint to MXFP4"),
+    "observe": ("observe", "measure per-expert REAP saliency on calibration data (report for plan)"),
     "plan": ("plan", "choose the experts to keep per layer from a saliency report"),
     "prune": ("prune", "write a checkpoint with only the selected experts (byte-exact copy)"),
     "verify": ("verify", "check a checkpoint's shards, index and config (and hashes vs its source)"),
