@@ -1,0 +1,48 @@
+"""End to end on a tiny random checkpoint: the text-generation pipeline prompts with the K3
+tokenizer's own chat ids (thinking on and off) and whatever it generates parses without raising."""
+
+from pathlib import Path
+
+import pytest
+from chat_cases import PROMPT_RESPONSE, PROMPT_THINK
+from transformers import pipeline
+from transformers.pipelines.text_generation import Chat
+
+import tokenization_kimi_k3 as k3
+from kimi_k3_parsing import parse
+from reap_tools.tiny import write_checkpoint
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 'Say <|open|>hi<|sep|> "there"'}]
+
+
+RANK_FILE = Path(__file__).resolve().parent / "fixtures" / "tiktoken.model"
+R = len(k3.load_rank_file(RANK_FILE))
+
+
+@pytest.fixture(scope="module")
+def chat_pipe(tmp_path_factory):
+    ids = dict(vocab_size=R + 256, bos_token_id=R, eos_token_id=R + 2, pad_token_id=R + 255)
+    model_dir = write_checkpoint(str(tmp_path_factory.mktemp("pipeline") / "tiny"), seed=0, **ids)
+    k3.write_tokenizer_files(model_dir, RANK_FILE)
+    return pipeline("text-generation", model=model_dir, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_pipeline_prompts_with_the_k3_chat_ids(chat_pipe, thinking):
+    tokenizer = chat_pipe.tokenizer
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (chat_pipe.model.config.eos_token_id, R + 255)
+    inputs = chat_pipe.preprocess(Chat(MESSAGES), tokenizer_encode_kwargs={"thinking": thinking})
+    expected = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, thinking=thinking, return_dict=False)
+    assert inputs["input_ids"][0].tolist() == expected
+    assert tokenizer.decode(expected).endswith(PROMPT_THINK if thinking else PROMPT_RESPONSE)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_generated_reply_parses(chat_pipe, thinking):
+    out = chat_pipe(MESSAGES, max_new_tokens=8, do_sample=False, tokenizer_encode_kwargs={"thinking": thinking})
+    reply = out[0]["generated_text"][-1]
+    assert reply["role"] == "assistant" and isinstance(reply["content"], str)
+    parsed = parse(reply["content"], thinking=thinking)
+    if "<|" not in reply["content"]:  # no marker at all: everything is the channel the prompt opened
+        assert parsed["reasoning_content" if thinking else "content"] == reply["content"]
+        assert parsed["truncated"] and parsed["truncated_in_reasoning"] == thinking
