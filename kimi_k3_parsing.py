@@ -44,7 +44,7 @@ TRUNCATED_IN_REASONING = (
     f"{RECOMMENDED_MAX_NEW_TOKENS} is recommended with thinking on), lower thinking_effort, or "
     "turn thinking off with thinking=False."
 )
-TRUNCATED = "The output was cut off before the end of the message; raise max_new_tokens."
+TRUNCATED = "The output ended before the message was closed, usually because max_new_tokens ran out: raise it."
 
 _ATTRS_RE = re.compile(r'(?:\s+\w+="[^"]*")*\s*')
 _ATTR_RE = re.compile(r'(\w+)="([^"]*)"')
@@ -110,7 +110,9 @@ def _typed(value: str, kind: str, key: str):
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as err:
-        raise MalformedToolCall(f"argument {key!r} of type {kind} is not valid JSON: {value[:80]!r} ({err.msg})") from None
+        raise MalformedToolCall(
+            f"argument {key!r} of type {kind} is not valid JSON: {value[:80]!r} ({err.msg})"
+        ) from None
     if not _TYPES[kind](parsed):
         raise MalformedToolCall(f"argument {key!r} is declared {kind} but holds {value[:80]!r}")
     return parsed
@@ -164,7 +166,9 @@ def parse_tool_calls(section: str) -> list[dict]:
             raise MalformedToolCall(f"call {name!r} has both a json block and arguments")
         text = raw_json if raw_json is not None else json.dumps(arguments, ensure_ascii=False)
         index = len(calls) + 1
-        calls.append({"id": _call_id(index, name, text), "type": "function", "function": {"name": name, "arguments": text}})
+        calls.append(
+            {"id": _call_id(index, name, text), "type": "function", "function": {"name": name, "arguments": text}}
+        )
 
 
 class StreamParser:
@@ -304,7 +308,9 @@ class StreamParser:
             if stripped.startswith(marker):
                 self._buf, self._state = stripped[len(marker) :], state
                 return True
-        if not stripped or (not final and any(marker.startswith(stripped) for marker in (*dict(options), *END_MARKERS))):
+        if not stripped or (
+            not final and any(marker.startswith(stripped) for marker in (*dict(options), *END_MARKERS))
+        ):
             return False
         # The error names no text: how much of it has arrived depends on the chunking.
         self._malformed(f"unexpected text after the {self._state.removeprefix('after_')} channel", "")

@@ -102,7 +102,9 @@ def load_rank_file(path: str | Path) -> dict[bytes, int]:
 
 def write_rank_file(ranks: Mapping[bytes, int], path: str | Path) -> None:
     """Write `ranks` as a tiktoken rank file, in rank order."""
-    lines = [f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    lines = [
+        f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     Path(path).write_text("".join(lines), encoding="ascii")
 
 
@@ -385,7 +387,9 @@ def _named(role: str, message: Mapping) -> list[tuple[str, Any]]:
     return [("role", role), *([("name", message["name"])] if message.get("name") else [])]
 
 
-def _render(messages: list[Mapping], tools, thinking: bool, effort: str, add_generation_prompt: bool, extras) -> _Segments:
+def _render(
+    messages: list[Mapping], tools, thinking: bool, effort: str, add_generation_prompt: bool, extras
+) -> _Segments:
     out = _Segments()
     if tools:
         _tool_declaration(out, tools, dynamic=False)
@@ -478,6 +482,11 @@ def render_chat(
     assistant turn carries a think channel; with thinking off past turns have no think channel and
     the generation prompt opens the response channel. `continue_final_message` (True, or the key
     to continue, e.g. "reasoning_content") leaves the final message open after its text.
+
+    Where SPEC §4 is silent this follows encoding_k3.py: the effort message's text, and that it is
+    sent whenever thinking is on (with or without tools); empty think channels; no think channel
+    at all with thinking off; tool results reordered to their calls; the `tool-choice` and
+    `response-format` directives; and the `name` attribute of user/system/assistant messages.
     """
     if not messages:
         raise ValueError("cannot render an empty conversation")
@@ -513,7 +522,13 @@ def _chat_template_text() -> str:
 
 # The keyword options of render_chat that apply_chat_template passes through.
 CHAT_OPTIONS = (
-    "thinking", "enable_thinking", "thinking_effort", "reasoning_effort", "tool_choice", "response_format", "response_schema",
+    "thinking",
+    "enable_thinking",
+    "thinking_effort",
+    "reasoning_effort",
+    "tool_choice",
+    "response_format",
+    "response_schema",
 )
 # `return_dict` defaults to False on transformers 4.x and True on 5.x; keep each version's default.
 _RETURN_DICT_DEFAULT = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters["return_dict"].default
@@ -548,7 +563,9 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         layout = special_token_layout(self.num_ranks)
         for token_id, token in (added_tokens_decoder or {}).items():
             if int(token_id) not in layout:
-                raise ValueError(f"added token {token!r} has id {token_id}, outside the reserved ids {min(layout)}..{max(layout)}")
+                raise ValueError(
+                    f"added token {token!r} has id {token_id}, outside the reserved ids {min(layout)}..{max(layout)}"
+                )
             layout[int(token_id)] = (str(token), token.special if isinstance(token, AddedToken) else True)
         self.special_ids = {name: token_id for token_id, (name, _) in layout.items()}
         if len(self.special_ids) != NUM_RESERVED_SPECIAL_TOKENS:
@@ -558,7 +575,9 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
             name=Path(vocab_file).stem, pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=self.special_ids
         )
         byte_map = _byte_to_unicode()
-        self._id_to_token = ["".join(byte_map[b] for b in token) for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])]
+        self._id_to_token = [
+            "".join(byte_map[b] for b in token) for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])
+        ]
         self._token_to_id = {token: token_id for token_id, token in enumerate(self._id_to_token)}
         self._unicode_to_byte = {char: b for b, char in byte_map.items()}
         clash = set(self.special_ids) & set(self._token_to_id)
@@ -654,7 +673,11 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
     def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else token_ids
         text = self._model.decode_bytes(self._kept_ids(ids, skip_special_tokens)).decode("utf-8", errors="replace")
-        if clean_up_tokenization_spaces if clean_up_tokenization_spaces is not None else self.clean_up_tokenization_spaces:
+        if (
+            clean_up_tokenization_spaces
+            if clean_up_tokenization_spaces is not None
+            else self.clean_up_tokenization_spaces
+        ):
             text = self.clean_up_tokenization(text)
         return text
 
@@ -693,9 +716,14 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
                     "turn control-token spellings in user text into control tokens"
                 )
             return super().apply_chat_template(
-                conversation, tools=tools, documents=documents, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                tokenize=False, **kwargs,
+                conversation,
+                tools=tools,
+                documents=documents,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **kwargs,
             )
         if documents:
             raise ValueError("Kimi K3's chat format has no documents; put them in a message instead")
@@ -705,7 +733,9 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
             isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages")
         )
         conversations = [getattr(c, "messages", c) for c in (conversation if batched else [conversation])]
-        schemas = None if tools is None else [tool if isinstance(tool, Mapping) else get_json_schema(tool) for tool in tools]
+        schemas = (
+            None if tools is None else [tool if isinstance(tool, Mapping) else get_json_schema(tool) for tool in tools]
+        )
         rendered = [
             render_chat(
                 [{k: v for k, v in message.items() if v is not None} for message in messages],
@@ -726,12 +756,17 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         if batched or return_tensors is not None:
             encoded = self.pad(
                 {"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]},
-                padding=padding, max_length=max_length, return_tensors=return_tensors, **pad_options,
+                padding=padding,
+                max_length=max_length,
+                return_tensors=return_tensors,
+                **pad_options,
             )
         else:
             encoded = self.pad(
                 {"input_ids": ids[0], "attention_mask": [1] * len(ids[0])},
-                padding=padding, max_length=max_length, **pad_options,
+                padding=padding,
+                max_length=max_length,
+                **pad_options,
             )
         return_dict = _RETURN_DICT_DEFAULT if return_dict is None else return_dict
         return encoded if return_dict else encoded["input_ids"]

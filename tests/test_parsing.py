@@ -16,7 +16,9 @@ END = "<|close|>message<|sep|><|end_of_msg|>"
 def _turns():
     """(original message, thinking, its rendered text) for every assistant message in CASES."""
     for name, (messages, tools, options, _) in CASES.items():
-        thinking, _ = chat_options(options.get("thinking"), None, options.get("thinking_effort"), options.get("reasoning_effort"))
+        thinking, _ = chat_options(
+            options.get("thinking"), None, options.get("thinking_effort"), options.get("reasoning_effort")
+        )
         render_options = {k: v for k, v in options.items() if k != "add_generation_prompt"}
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
@@ -113,7 +115,9 @@ def test_partial_markers_are_held_back():
     assert parser.feed("<|sep|><|open|>resp") == {}
     assert parser.feed("onse<|sep|>Hi <") == {"content": "Hi "}
     assert parser.feed("3 <|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=") == {"content": "<3 "}
-    assert parser.feed('"f" index="1"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')["tool_calls"][0]["function"] == {
+    assert parser.feed('"f" index="1"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')["tool_calls"][0][
+        "function"
+    ] == {
         "name": "f",
         "arguments": "{}",
     }
@@ -140,7 +144,11 @@ def test_output_that_ends_inside_the_answer():
     assert parsed["truncated"] and not parsed["truncated_in_reasoning"]
     assert (parsed["reasoning_content"], parsed["content"], parsed["warning"]) == ("ok", "Partial ans", TRUNCATED)
     thinking_off = parse("Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")
-    assert (thinking_off["reasoning_content"], thinking_off["content"], thinking_off["finished"]) == (None, "Hello", True)
+    assert (thinking_off["reasoning_content"], thinking_off["content"], thinking_off["finished"]) == (
+        None,
+        "Hello",
+        True,
+    )
     stopped = parse("r<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>response<|sep|>[EOT]")
     assert stopped["content"] == "Hi" and not stopped["truncated"] and not stopped["finished"]
 
@@ -148,26 +156,115 @@ def test_output_that_ends_inside_the_answer():
 CALL = '<|open|>call tool="f" index="1"<|sep|>'
 A = "ok<|close|>think<|sep|><|open|>response<|sep|>Sure.<|close|>response<|sep|>"
 MALFORMED = {
-    "unclosed_call": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="a" type="string"<|sep|>x<|close|>argument<|sep|>', "x"),
-    "bad_json_number": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="n" type="number"<|sep|>12,5<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, "12,5"),
-    "type_mismatch": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="b" type="boolean"<|sep|>yes<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, "yes"),
-    "object_holding_a_string": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="o" type="object"<|sep|>"x"<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, '"x"'),
-    "unknown_type": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="d" type="date"<|sep|>2026-01-01<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, "2026-01-01"),
-    "argument_without_key": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument type="string"<|sep|>v<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, "v"),
-    "call_without_tool": (A + '<|open|>tools<|sep|><|open|>call index="1"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, 'index="1"'),
-    "unclosed_argument": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="a" type="string"<|sep|>one<|open|>argument key="b" type="string"<|sep|>two<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, "one"),
-    "text_between_calls": (A + "<|open|>tools<|sep|>stray words" + CALL + "<|close|>call<|sep|><|close|>tools<|sep|>" + END, "stray words"),
-    "unquoted_attributes": (A + "<|open|>tools<|sep|><|open|>call tool=f index=1<|sep|><|close|>call<|sep|><|close|>tools<|sep|>" + END, "tool=f"),
-    "json_block_not_json": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>json type="object"<|sep|>{"a": <|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, '{"a": '),
-    "json_block_not_object": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>json type="object"<|sep|>[1, 2]<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, "[1, 2]"),
-    "json_block_and_arguments": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>json type="object"<|sep|>{}<|close|>json<|sep|><|open|>argument key="a" type="string"<|sep|>q<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, "q"),
-    "unknown_element": (A + "<|open|>tools<|sep|>" + CALL + '<|open|>param key="a"<|sep|>z<|close|>param<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END, "param"),
+    "unclosed_call": (
+        A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="a" type="string"<|sep|>x<|close|>argument<|sep|>',
+        "x",
+    ),
+    "bad_json_number": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>argument key="n" type="number"<|sep|>12,5<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        "12,5",
+    ),
+    "type_mismatch": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>argument key="b" type="boolean"<|sep|>yes<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        "yes",
+    ),
+    "object_holding_a_string": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>argument key="o" type="object"<|sep|>"x"<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        '"x"',
+    ),
+    "unknown_type": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>argument key="d" type="date"<|sep|>2026-01-01<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        "2026-01-01",
+    ),
+    "argument_without_key": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>argument type="string"<|sep|>v<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        "v",
+    ),
+    "call_without_tool": (
+        A + '<|open|>tools<|sep|><|open|>call index="1"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END,
+        'index="1"',
+    ),
+    "unclosed_argument": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>argument key="a" type="string"<|sep|>one<|open|>argument key="b" type="string"<|sep|>two<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        "one",
+    ),
+    "text_between_calls": (
+        A + "<|open|>tools<|sep|>stray words" + CALL + "<|close|>call<|sep|><|close|>tools<|sep|>" + END,
+        "stray words",
+    ),
+    "unquoted_attributes": (
+        A + "<|open|>tools<|sep|><|open|>call tool=f index=1<|sep|><|close|>call<|sep|><|close|>tools<|sep|>" + END,
+        "tool=f",
+    ),
+    "json_block_not_json": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>json type="object"<|sep|>{"a": <|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        '{"a": ',
+    ),
+    "json_block_not_object": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>json type="object"<|sep|>[1, 2]<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        "[1, 2]",
+    ),
+    "json_block_and_arguments": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>json type="object"<|sep|>{}<|close|>json<|sep|><|open|>argument key="a" type="string"<|sep|>q<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        "q",
+    ),
+    "unknown_element": (
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>param key="a"<|sep|>z<|close|>param<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        + END,
+        "param",
+    ),
     "unclosed_call_header": (A + '<|open|>tools<|sep|><|open|>call tool="f"', 'tool="f"'),
     "unclosed_tools_section": (A + "<|open|>tools<|sep|>" + CALL + "<|close|>call<|sep|>" + END, CALL),
     "text_after_response": (A + "stray text", "stray text"),
     "text_after_message": (A + "<|close|>message<|sep|>more text", "more text"),
     "answer_outside_a_channel": ("hmm<|close|>think<|sep|>Answer without a channel" + END, "Answer without a channel"),
-    "second_tools_section": (A + "<|open|>tools<|sep|><|close|>tools<|sep|><|open|>tools<|sep|>" + CALL + "<|close|>call<|sep|><|close|>tools<|sep|>" + END, CALL),
+    "second_tools_section": (
+        A
+        + "<|open|>tools<|sep|><|close|>tools<|sep|><|open|>tools<|sep|>"
+        + CALL
+        + "<|close|>call<|sep|><|close|>tools<|sep|>"
+        + END,
+        CALL,
+    ),
 }
 
 
@@ -183,7 +280,10 @@ def test_malformed_output_comes_back_as_flagged_content(name):
 
 def test_calls_stream_as_a_section_and_keep_their_order():
     text = (
-        A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="a" type="array"<|sep|>[1, {"b": null}]<|close|>argument<|sep|><|close|>call<|sep|>'
+        A
+        + "<|open|>tools<|sep|>"
+        + CALL
+        + '<|open|>argument key="a" type="array"<|sep|>[1, {"b": null}]<|close|>argument<|sep|><|close|>call<|sep|>'
         '<|open|>call tool="g" index="2"<|sep|><|open|>json type="object"<|sep|>{"raw": true}<|close|>json<|sep|><|close|>call<|sep|>'
         "<|close|>tools<|sep|>" + END
     )

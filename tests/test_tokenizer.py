@@ -77,8 +77,14 @@ def test_reserved_id_layout(tokenizer):
     assert (tokenizer.unk_token, tokenizer.unk_token_id) == ("[UNK]", R + 254)
     vocab = tokenizer.get_vocab()
     assert sorted(vocab.values()) == list(range(R + 256))
-    assert tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(list(range(0, R, 97)))) == list(range(0, R, 97))
-    assert [t.content for i, t in tokenizer.added_tokens_decoder.items() if not t.special] == ["<|open|>", "<|close|>", "<|sep|>"]
+    assert tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(list(range(0, R, 97)))) == list(
+        range(0, R, 97)
+    )
+    assert [t.content for i, t in tokenizer.added_tokens_decoder.items() if not t.special] == [
+        "<|open|>",
+        "<|close|>",
+        "<|sep|>",
+    ]
 
 
 @pytest.mark.parametrize("name", TEXTS)
@@ -131,7 +137,9 @@ def test_save_and_reload(tokenizer, tmp_path):
     assert reloaded.chat_template == tokenizer.chat_template
     assert [reloaded.encode(t) for t in TEXTS.values()] == [tokenizer.encode(t) for t in TEXTS.values()]
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "reasoning_content": "r", "content": "a"}]
-    assert reloaded.apply_chat_template(messages, return_dict=False) == tokenizer.apply_chat_template(messages, return_dict=False)
+    assert reloaded.apply_chat_template(messages, return_dict=False) == tokenizer.apply_chat_template(
+        messages, return_dict=False
+    )
     assert (reloaded.bos_token_id, reloaded.eos_token_id, reloaded.pad_token_id) == (R, R + 2, R + 255)
 
 
@@ -141,7 +149,12 @@ def test_any_number_of_ranks(tmp_path):
     directory = k3.write_tokenizer_files(tmp_path / "tok", tmp_path / "small.model")
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
     assert tokenizer.vocab_size == 300 + 256
-    assert [tokenizer.convert_tokens_to_ids(t) for t in ("[BOS]", "<|end_of_msg|>", "<|open|>", "[PAD]")] == [300, 302, 303, 555]
+    assert [tokenizer.convert_tokens_to_ids(t) for t in ("[BOS]", "<|end_of_msg|>", "<|open|>", "[PAD]")] == [
+        300,
+        302,
+        303,
+        555,
+    ]
     assert tokenizer.decode(tokenizer.encode(TEXTS["chinese"])) == TEXTS["chinese"]
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], thinking=False, return_dict=False)
     assert ids[0] == 303 and ids[-1] == 302
