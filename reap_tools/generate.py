@@ -37,7 +37,7 @@ def chat(pipe, prompt, max_new_tokens=256, sample=True, thinking=True):
     messages = [{"role": "user", "content": prompt}]
     out = pipe(messages, max_new_tokens=max_new_tokens, tokenizer_encode_kwargs={"thinking": thinking}, **options)
     reply = out[0]["generated_text"][-1]["content"]
-    return parse(reply)
+    return parse(reply, thinking=thinking)
 
 
 def main(argv=None):
