@@ -375,8 +375,13 @@ def observe(model, batches, *, resume_from: dict | None = None, calibration: dic
         done = int(resume_from.get("progress", {}).get("sequences_done", 0))
         tokens = int(resume_from.get("calibration", {}).get("num_tokens", 0))
         padding = int(resume_from.get("calibration", {}).get("num_padding_tokens", 0))
-    observer = SaliencyObserver(model, initial=resume_from["layers"] if resume_from is not None else None)
     base = {"format": REPORT_FORMAT, "model": model_block(model, name_or_path)}
+    if resume_from is not None:
+        for key in MODEL_KEYS:
+            if resume_from.get("model", {}).get(key) != base["model"].get(key):
+                theirs, ours = resume_from.get("model", {}).get(key), base["model"].get(key)
+                raise ObserveError(f"cannot resume: the report's model {key} is {theirs!r}, this model's is {ours!r}")
+    observer = SaliencyObserver(model, initial=resume_from["layers"] if resume_from is not None else None)
     calibration = dict(calibration or {})
     state = {"done": done, "tokens": tokens, "padding": padding, "complete": False}
 
@@ -542,8 +547,9 @@ def read_documents(path: str | Path, tokenizer=None) -> tuple[list[np.ndarray], 
                        f"(use {', '.join(TEXT_SUFFIXES + TOKEN_SUFFIXES)})")
 
 
-def pack_sequences(documents: list[np.ndarray], seq_len: int, *, pack: bool = True, separators: list[bool] | None = None,
-                   separator_id: int | None = None, max_tokens: int | None = None) -> list[np.ndarray]:
+def pack_sequences(documents: list[np.ndarray], seq_len: int, *, pack: bool = True,
+                   separators: list[bool] | None = None, separator_id: int | None = None,
+                   max_tokens: int | None = None) -> list[np.ndarray]:
     """Sequences of at most seq_len ids: packed from the joined stream (default) or one per document."""
     if seq_len < 1:
         raise ObserveError("--seq-len must be >= 1")

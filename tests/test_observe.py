@@ -74,7 +74,8 @@ def hand_set(tmp_path_factory):
     # premise: the packs hold exactly the hand-set values
     from mxfp4 import dequantize_mxfp4
     w1 = loaded.language_model.model.layers[2].block_sparse_moe.experts[5].w1
-    assert torch.equal(dequantize_mxfp4(w1.weight_packed, w1.weight_scale, torch.float64), weights[2]["experts"][5]["w1"])
+    unpacked = dequantize_mxfp4(w1.weight_packed, w1.weight_scale, torch.float64)
+    assert torch.equal(unpacked, weights[2]["experts"][5]["w1"])
     return path, loaded, weights
 
 
@@ -196,6 +197,11 @@ def test_resume_from_half_equals_one_full_run(hand_set, tmp_path):
     resumed = ob.observe(model, batches, resume_from=saved, total_sequences=total, progress=False)
     assert resumed["layers"] == full["layers"]  # exactly: same batches, same float64 summation order
     assert resumed["calibration"] == full["calibration"] and resumed["progress"] == full["progress"]
+
+    other = json.loads(json.dumps(half))
+    other["model"]["num_experts_per_token"] = 3
+    with pytest.raises(ob.ObserveError, match="cannot resume: the report's model num_experts_per_token is 3"):
+        ob.observe(model, batches, resume_from=other, progress=False)
 
     # stopping mid-batch: the rest of that batch is run on its own, so only float rounding may differ
     part = ob.observe(model, batches, stop_after=3, total_sequences=total, progress=False)
