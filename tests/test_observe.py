@@ -224,6 +224,8 @@ def test_cli_stop_resume_equals_a_full_run(hand_set, tmp_path):
     assert ob.main(common + ["--out", str(part), "--stop-after", "6", "--save-every", "1"]) == 0
     partial = json.loads(part.read_text())
     assert partial["progress"] == {"sequences_done": 6, "total_sequences": 12, "complete": False}
+    with pytest.raises(PlanError, match="report is incomplete"):  # plan will not use a partial measurement
+        load_report(part)
     assert ob.main(common + ["--out", str(part)]) == 1  # exists: needs --resume
     assert ob.main(common + ["--out", str(part), "--resume"]) == 0
     a, b = json.loads(full.read_text()), json.loads(part.read_text())
