@@ -156,9 +156,16 @@ def read_json(path: Path) -> dict:
 
 
 def write_json(path: Path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+    """Write JSON atomically: a temporary file beside `path`, then rename, so no half-written file is left."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_index(ckpt_dir: str | Path) -> dict | None:
