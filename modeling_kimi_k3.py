@@ -27,6 +27,31 @@ except ImportError:  # imported from the repository root rather than as transfor
     from mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 
+_FAST_PATHS = {}
+
+
+def _fast_path(name):
+    """Optional CUDA kernels, imported on first use (None where triton / fla-core are missing):
+    "kda" -> (kda_fla.available, kda_fla.kda_forward); "mxfp4" -> mxfp4_triton.routed_experts."""
+    if name not in _FAST_PATHS:
+        try:
+            if name == "kda":
+                try:
+                    from .kda_fla import available, kda_forward
+                except ImportError:
+                    from kda_fla import available, kda_forward
+                _FAST_PATHS[name] = (available, kda_forward)
+            else:
+                try:
+                    from .mxfp4_triton import routed_experts
+                except ImportError:
+                    from mxfp4_triton import routed_experts
+                _FAST_PATHS[name] = routed_experts
+        except Exception:
+            _FAST_PATHS[name] = None
+    return _FAST_PATHS[name]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Activations and norms
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,14 +184,20 @@ class KimiK3DeltaAttention(nn.Module):
         q, q_state = self.q_conv1d(self.q_proj(x), conv_states[0])
         k, k_state = self.k_conv1d(self.k_proj(x), conv_states[1])
         v, v_state = self.v_conv1d(self.v_proj(x), conv_states[2])
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(heads), self.A_log[: self.num_heads], self.dt_bias,
-                     self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        q, k = l2norm(q.view(heads).float()), l2norm(k.view(heads).float())
-        v = v.view(heads).float()
+        g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
         state = cache.recurrent_states[self.layer_idx] if cache is not None else None
-        kernel = recurrent_kda if (length == 1 and state is not None) else chunk_kda
-        o, state = kernel(q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=state)
+        fla = _fast_path("kda") if x.is_cuda else None
+        if fla is not None and fla[0](x.device):  # fla-core kernels: gate, L2 norms and beta sigmoid fused in
+            o, state = fla[1](q.view(heads), k.view(heads), v.view(heads), g_raw, self.b_proj(x),
+                              self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
+                              state, decode=length == 1 and state is not None)
+        else:
+            g = kda_gate(g_raw, self.A_log[: self.num_heads], self.dt_bias, self.lower_bound)
+            beta = torch.sigmoid(self.b_proj(x).float())
+            q, k = l2norm(q.view(heads).float()), l2norm(k.view(heads).float())
+            v = v.view(heads).float()
+            kernel = recurrent_kda if (length == 1 and state is not None) else chunk_kda
+            o, state = kernel(q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=state)
         if cache is not None:
             cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)
             cache.recurrent_states[self.layer_idx] = state
@@ -364,10 +395,13 @@ class KimiK3LatentMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         ids, weights = self.gate(flat)
         z = self.routed_expert_down_proj(flat)
-        y = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            y.index_add_(0, token, self.experts[e](z[token]).float() * weights[token, slot, None])
+        fast = _fast_path("mxfp4") if x.is_cuda and isinstance(self.experts[0].w1, MXFP4Linear) else None
+        y = fast(self, z, ids, weights) if fast is not None else None  # Triton MXFP4 kernels, or None
+        if y is None:
+            y = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+            for e in ids.unique().tolist():
+                token, slot = (ids == e).nonzero(as_tuple=True)
+                y.index_add_(0, token, self.experts[e](z[token]).float() * weights[token, slot, None])
         y = self.routed_expert_up_proj(self.routed_expert_norm(y.to(z.dtype)))
         return (y + self.shared_experts(flat)).view(shape)
 

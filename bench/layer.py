@@ -1,0 +1,576 @@
+"""One Kimi K3 decoder layer at the release's real shapes on one GPU: fast paths vs the torch reference.
+
+Builds `KimiK3DecoderLayer(config.text_config, i, packed_experts=True)` from the root `config.json` (hidden 7168,
+96 KDA heads x 128 or 96 MLA heads, 320 MXFP4 experts 3584 <-> 3072, top-16, 2 shared experts), random weights
+(MXFP4 packs: random bytes, scale codes 114..123), for one KDA+MoE layer (index 1) and one MLA+MoE layer (index 3),
+and measures:
+  * decode step latency at batch 1 and 8 (fast eager, fast CUDA-graph replay, reference eager), next to the
+    bandwidth floor = bytes the step must read and write / device-to-device copy bandwidth measured in this run
+    (weights of the layer with only the routed experts actually chosen, KDA state or MLA latent cache);
+  * the MoE block alone at decode (the issue's 1.5x / 2x targets) and its expert GEMMs at 8k prefill against the
+    bf16 matmul rate measured in this run;
+  * prefill tokens/s at 2k and 8k (fast and reference), next to max(bytes floor, FLOP floor);
+  * a sweep of the MXFP4 kernel configurations;
+then extrapolates to 93 layers (69 KDA + 24 MLA, layer 0's dense MLP counted as a MoE layer) plus the LM head and
+prints the implied single-stream TPOT beside the model card's (38.8 ms TPOT, 24.7 tok/s, 8x RTX 6000, SGLang).
+
+Usage: python bench/layer.py --out results.json [--quick] [--budget-s 240]. CUDA only. The reference path is the
+model's own code with the fast paths switched off (`mxfp4_triton.ENABLED`, `kda_fla.ENABLED`): experts are
+dequantized per call, KDA runs the pure-torch chunked / recurrent forms.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+if "--smoke" in sys.argv:  # the Triton kernels run in the interpreter on CPU (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kda_fla  # noqa: E402
+import mxfp4_triton  # noqa: E402
+from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, KimiK3DeltaAttention  # noqa: E402
+
+CARD = {"tpot_ms": 38.8, "tok_s": 24.7, "setup": "8x RTX 6000, SGLang (model card)"}
+KDA_LAYERS, MLA_LAYERS = 69, 24
+CONTEXT = 2048  # cached tokens behind each decode step
+DEVICE = "cuda"  # --smoke switches to "cpu" (tiny shapes, host timers, no graphs): a dry run of this script
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """CUDA events on the GPU, the host clock on the CPU (smoke runs)."""
+
+    def __enter__(self):
+        if DEVICE == "cuda":
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if DEVICE == "cuda":
+            self.end.record()
+            self.end.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+def time_ms(fn, reps, warmup=1, setup=None):
+    """Median milliseconds of `fn()` over `reps` runs (`setup()` runs untimed before each)."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        if setup:
+            setup()
+        with Timer() as t:
+            fn()
+        times.append(t.ms)
+    return statistics.median(times)
+
+
+def ceilings(quick):
+    n = 1 << 31 if DEVICE == "cuda" else 1 << 24  # 2 GiB each way
+    a = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), 5 if quick else 10, warmup=2)
+    copy_bw = 2 * n / (ms * 1e-3)
+
+    m = 8192 if DEVICE == "cuda" else 256
+    x = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    ms = time_ms(lambda: x @ y, 5 if quick else 10, warmup=3)
+    peak = 2 * m**3 / (ms * 1e-3)
+    return {"copy_bandwidth_GBps": copy_bw / 1e9, "bf16_matmul_TFLOPs": peak / 1e12}
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def expert_bytes(layer):
+    e = layer.block_sparse_moe.experts[0]
+    return nbytes([p for lin in (e.w1, e.w3, e.w2) for p in (lin.weight_packed, lin.weight_scale)])
+
+
+def non_expert_bytes(module):
+    return nbytes([p for n, p in module.named_parameters() if ".experts." not in f".{n}"])
+
+
+def build_layer(text, index, seed):
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            layer = KimiK3DecoderLayer(text, index, packed_experts=True)
+    finally:
+        torch.set_default_dtype(previous)
+    layer.eval().requires_grad_(False)
+    moe = layer.block_sparse_moe
+    with torch.no_grad():
+        moe.gate.weight.normal_(0.0, 0.02)
+        moe.gate.e_score_correction_bias.zero_()
+        for proj in (layer.self_attention_res_proj, layer.mlp_res_proj):
+            proj.weight.normal_(0.0, 0.02)
+        stack = mxfp4_triton.stack_experts(moe)  # the per-expert packs become views of these stacks
+        for packed in (stack.w1, stack.w3, stack.w2):
+            packed.random_(0, 256)
+        for scale in (stack.s1, stack.s3, stack.s2):
+            scale.random_(114, 124)
+    return layer
+
+
+class RouteRecorder:
+    """Records the expert ids the router picks (forward hook on the gate)."""
+
+    def __init__(self, gate):
+        self.ids = None
+        self.handle = gate.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        self.ids = output[0].detach()
+
+    def unique(self):
+        return int(self.ids.unique().numel())
+
+
+def decode_cache(text, layer, batch, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    cache = KimiK3Cache(text)
+    i = layer.layer_idx
+    attn = layer.self_attn
+    if isinstance(attn, KimiK3DeltaAttention):
+        width = attn.num_heads * attn.head_dim
+        conv = tuple(torch.randn(batch, width, 3, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+                     for _ in range(3))
+        state = torch.randn(batch, attn.num_heads, attn.head_dim, attn.head_dim, device=DEVICE, generator=gen) * 0.02
+        base = {"conv": conv, "state": state}
+
+        def reset():
+            cache.conv_states[i] = base["conv"]
+            cache.recurrent_states[i] = base["state"]
+
+        state_bytes = 2 * nbytes([state]) + 2 * nbytes(conv)
+    else:
+        latent = torch.randn(batch, CONTEXT, attn.kv_lora_rank + attn.rope_dim, device=DEVICE, generator=gen,
+                             dtype=torch.bfloat16)
+
+        def reset():
+            cache.latents[i] = latent
+
+        state_bytes = nbytes([latent]) + nbytes([latent[:, :1]])
+    reset()
+    return cache, reset, state_bytes
+
+
+def set_fast(on):
+    mxfp4_triton.ENABLED = on
+    kda_fla.ENABLED = on
+
+
+def graph_of(fn, reset):
+    """CUDA graph of `fn()` (after two warm-up runs on a side stream); returns (graph, captured output)."""
+    if DEVICE != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            reset()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    reset()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def bench_decode(text, layer, batch, ceil, reps, seed):
+    hidden = text.hidden_size
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    bank = tuple(torch.randn(batch, 1, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    partial = torch.randn(batch, 1, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    cache, reset, state_bytes = decode_cache(text, layer, batch, seed)
+    recorder = RouteRecorder(layer.block_sparse_moe.gate)
+    moe = layer.block_sparse_moe
+    moe_in = torch.randn(batch, 1, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    res = {"batch": batch}
+    try:
+        with torch.no_grad():
+            step = lambda: layer(bank, partial, None, cache)[1]  # noqa: E731
+            set_fast(False)
+            reset()
+            ref_out = step()
+            res["reference_eager_ms"] = time_ms(step, max(2, reps // 8), setup=reset)
+            set_fast(True)
+            reset()
+            fast_out = step()
+            unique = recorder.unique()
+            res["unique_experts"] = unique
+            res["fast_vs_reference_rel_err"] = float((fast_out.float() - ref_out.float()).norm() / ref_out.float().norm())
+            res["fast_eager_ms"] = time_ms(step, reps, setup=reset)
+            floor_bytes = non_expert_bytes(layer) + unique * expert_bytes(layer) + state_bytes
+            res["floor_bytes"] = floor_bytes
+            res["floor_ms"] = floor_bytes / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3
+            try:
+                graph, out = graph_of(step, reset)
+                graph.replay()
+                sync()
+                res["graph_vs_eager_max_abs_diff"] = float((out.float() - fast_out.float()).abs().max())
+                res["fast_graph_ms"] = time_ms(graph.replay, reps)
+                res["graph_fraction_of_floor"] = res["floor_ms"] / res["fast_graph_ms"]
+                del graph
+            except Exception as err:  # report, keep going
+                res["graph_error"] = repr(err)[:500]
+            # the MoE block alone
+            moe_step = lambda: moe(moe_in)  # noqa: E731
+            moe_step()
+            unique = recorder.unique()
+            moe_floor = non_expert_bytes(moe) + unique * expert_bytes(layer)
+            res["moe"] = {"unique_experts": unique, "floor_bytes": moe_floor,
+                          "floor_ms": moe_floor / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3,
+                          "fast_eager_ms": time_ms(moe_step, reps)}
+            try:
+                graph, _ = graph_of(moe_step, lambda: None)
+                res["moe"]["fast_graph_ms"] = time_ms(graph.replay, reps)
+                del graph
+            except Exception as err:
+                res["moe"]["graph_error"] = repr(err)[:500]
+            set_fast(False)
+            res["moe"]["reference_eager_ms"] = time_ms(moe_step, max(2, reps // 8))
+            set_fast(True)
+            best = res["moe"].get("fast_graph_ms", res["moe"]["fast_eager_ms"])
+            res["moe"]["x_floor"] = best / res["moe"]["floor_ms"]
+    finally:
+        set_fast(True)
+        recorder.handle.remove()
+    return res
+
+
+def layer_flops(layer, tokens):
+    """Matmul FLOPs of a prefill of `tokens` tokens (batch 1), routed experts at top-k, plus the attention core."""
+    text_linear = 0
+    for name, module in layer.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".experts." not in f".{name}.":
+            text_linear += module.in_features * module.out_features
+    moe = layer.block_sparse_moe
+    e = moe.experts[0]
+    flops = 2 * tokens * text_linear + 6 * tokens * moe.gate.top_k * e.w1.in_features * e.w1.out_features
+    attn = layer.self_attn
+    if isinstance(attn, KimiK3DeltaAttention):
+        flops += 2 * tokens * attn.num_heads * (4 * attn.head_dim**2 + 2 * 64 * attn.head_dim)
+    else:
+        flops += 2 * (tokens * tokens / 2) * attn.num_heads * (attn.nope_dim + attn.rope_dim + attn.v_dim)
+    return flops
+
+
+def bench_prefill(text, layer, tokens, ceil, reps, seed, with_reference=True):
+    hidden = text.hidden_size
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    bank = tuple(torch.randn(1, tokens, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    partial = torch.randn(1, tokens, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    res = {"tokens": tokens}
+    flops = layer_flops(layer, tokens)
+    floor_bytes = non_expert_bytes(layer) + layer.block_sparse_moe.num_experts * expert_bytes(layer)
+    res["flop_floor_ms"] = flops / (ceil["bf16_matmul_TFLOPs"] * 1e12) * 1e3
+    res["bytes_floor_ms"] = floor_bytes / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3
+    res["floor_ms"] = max(res["flop_floor_ms"], res["bytes_floor_ms"])
+    with torch.no_grad():
+        step = lambda: layer(bank, partial, None, KimiK3Cache(text))[1]  # noqa: E731
+        set_fast(True)
+        fast_out = step()
+        res["fast_ms"] = time_ms(step, reps)
+        res["fast_tok_s"] = tokens / (res["fast_ms"] * 1e-3)
+        res["fast_fraction_of_floor"] = res["floor_ms"] / res["fast_ms"]
+        if with_reference:
+            set_fast(False)
+            try:
+                with Timer() as t:
+                    ref_out = step()  # one timed run: the reference is slow and has no compile step to warm up
+                res["reference_ms"] = t.ms
+                res["reference_tok_s"] = tokens / (res["reference_ms"] * 1e-3)
+                res["fast_vs_reference_rel_err"] = float(
+                    (fast_out.float() - ref_out.float()).norm() / ref_out.float().norm())
+                del ref_out
+            finally:
+                set_fast(True)
+    return res
+
+
+def bench_expert_gemms(text, layer, tokens, ceil, reps, seed, configs=None):
+    """The two MXFP4 kernels alone at `tokens` tokens with the layer's routing; TFLOP/s vs the bf16 rate."""
+    moe = layer.block_sparse_moe
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(tokens, text.hidden_size, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, weights = moe.gate(x)
+        z = moe.routed_expert_down_proj(x)
+    stack = mxfp4_triton.stack_experts(moe)
+    e = moe.experts[0]
+    flops = 6 * ids.numel() * e.w1.in_features * e.w1.out_features
+    out = {"tokens": tokens, "pairs": ids.numel(), "flops": flops}
+    align_cfg = mxfp4_triton.pick_config(ids.numel(), moe.num_experts)
+    out["align_ms"] = time_ms(lambda: mxfp4_triton.align_blocks(ids, moe.num_experts, align_cfg["BM"]), reps)
+    variants = configs or {"default": {}}
+    for name, kw in variants.items():
+        try:
+            run = lambda: mxfp4_triton.run_experts(stack, z, ids, weights, moe.num_experts, 4.0, 25.0, **kw)  # noqa
+            run()
+            ms = time_ms(run, reps)
+            out[name] = {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12,
+                         "fraction_of_bf16_peak": flops / (ms * 1e-3) / (ceil["bf16_matmul_TFLOPs"] * 1e12)}
+        except Exception as err:
+            out[name] = {"error": repr(err)[:400]}
+    return out
+
+
+def sweep_decode(text, layer, batch, ceil, reps, seed, configs):
+    """MXFP4 kernels alone at decode (batch tokens, top-16) per configuration, against their bytes floor."""
+    moe = layer.block_sparse_moe
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(batch, text.hidden_size, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, weights = moe.gate(x)
+        z = moe.routed_expert_down_proj(x)
+    stack = mxfp4_triton.stack_experts(moe)
+    unique = int(ids.unique().numel())
+    floor_ms = unique * expert_bytes(layer) / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3
+    out = {"batch": batch, "unique_experts": unique, "floor_ms": floor_ms}
+    for name, kw in configs.items():
+        try:
+            run = lambda: mxfp4_triton.run_experts(stack, z, ids, weights, moe.num_experts, 4.0, 25.0, **kw)  # noqa
+            run()
+            if DEVICE == "cuda":
+                graph, _ = graph_of(run, lambda: None)
+                ms = time_ms(graph.replay, reps)
+                del graph
+            else:
+                ms = time_ms(run, reps)
+            out[name] = {"graph_ms": ms, "x_floor": ms / floor_ms}
+        except Exception as err:
+            out[name] = {"error": repr(err)[:400]}
+    return out
+
+
+DECODE_VARIANTS = {
+    "dot_scaled_bn64_bk128": dict(config=dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4)), dot_scaled=True),
+    "dot_scaled_bn32_bk256": dict(config=dict(BM=16, w13=(32, 256, 4, 4), w2=(32, 256, 4, 4)), dot_scaled=True),
+    "manual_bn64_bk128": dict(config=dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4)), dot_scaled=False),
+    "dot_scaled_bn64_bk128_atomic": dict(config=dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4)),
+                                         dot_scaled=True, atomic=True),
+}
+PREFILL_VARIANTS = {
+    "dot_scaled_bm128": dict(config=dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3)), dot_scaled=True),
+    "dot_scaled_bm64": dict(config=dict(BM=64, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3)), dot_scaled=True),
+    "manual_bm128": dict(config=dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3)), dot_scaled=False),
+}
+
+
+def lm_head_ms(text, reps, batch):
+    w = torch.randn(text.vocab_size, text.hidden_size, device=DEVICE, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(batch, text.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.nn.functional.linear(x, w), reps, warmup=3)
+    return ms, nbytes([w])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "layer_h200.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="skip sections once past this")
+    parser.add_argument("--sections", default="decode,prefill,sweep", help="comma list: decode,prefill,sweep")
+    parser.add_argument("--no-prefill-reference", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="dry run on CPU at tiny shapes (reference path; kernels in the Triton interpreter)")
+    args = parser.parse_args(argv)
+    global DEVICE, CONTEXT
+    if args.smoke:
+        DEVICE, CONTEXT = "cpu", 16
+    elif not torch.cuda.is_available():
+        print("bench/layer.py needs a CUDA device (or --smoke)", file=sys.stderr)
+        return 2
+    started = time.time()
+    sections = set(args.sections.split(","))
+    reps = 3 if args.smoke else 10 if args.quick else 30
+    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
+        kda_fla.quick_tune(1)
+    import triton
+
+    results = {
+        "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke run)",
+        "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                     "fla": _version("fla-core"), "transformers": _version("transformers")},
+        "fast_paths": {"mxfp4_triton": mxfp4_triton.available(), "kda_fla": kda_fla.available(DEVICE),
+                       "mxfp4_configs": mxfp4_triton.CONFIGS, "dot_scaled": mxfp4_triton.USE_DOT_SCALED,
+                       "atomic_combine": mxfp4_triton.ATOMIC_COMBINE,
+                       "fla_quick_tune": os.environ.get("KIMI_K3_QUICK_TUNE") == "1"},
+        "context_tokens_for_decode": CONTEXT,
+        "card": CARD,
+        "layers": {},
+    }
+
+    def save():
+        results["elapsed_s"] = time.time() - started
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    def over_budget():
+        return time.time() - started > args.budget_s
+
+    ceil = ceilings(args.quick)
+    results["ceilings"] = ceil
+    print(f"ceilings: copy {ceil['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} "
+          f"TFLOP/s", flush=True)
+    save()
+    if args.smoke:
+        from reap_tools.tiny import tiny_config
+
+        text = tiny_config(packed=True, routed_expert_hidden_size=64, moe_intermediate_size=64, num_experts=16,
+                           num_experts_per_token=4).text_config
+        layer_indices, prefill_lengths = (("kda", 1), ("mla", 2)), (16, 40)
+    else:
+        text = KimiK3Config.from_pretrained(ROOT).text_config
+        layer_indices, prefill_lengths = (("kda", 1), ("mla", 3)), (2048, 8192)
+    for kind, index in layer_indices:
+        if over_budget():
+            results["layers"][kind] = {"skipped": "time budget"}
+            break
+        entry = results["layers"].setdefault(kind, {"layer_idx": index})
+        try:
+            t0 = time.time()
+            layer = build_layer(text, index, seed=index)
+            entry["build_s"] = time.time() - t0
+            entry["non_expert_bytes"] = non_expert_bytes(layer)
+            entry["expert_bytes_each"] = expert_bytes(layer)
+            if "decode" in sections:
+                for batch in (1, 8):
+                    if over_budget():
+                        break
+                    r = bench_decode(text, layer, batch, ceil, reps, seed=batch)
+                    entry[f"decode_b{batch}"] = r
+                    print(f"[{kind}] decode b{batch}: fast {r.get('fast_graph_ms', float('nan')):.3f} ms graph / "
+                          f"{r['fast_eager_ms']:.3f} eager, floor {r['floor_ms']:.3f}, ref {r['reference_eager_ms']:.2f};"
+                          f" moe {r['moe'].get('fast_graph_ms', float('nan')):.3f} vs floor {r['moe']['floor_ms']:.3f}"
+                          f" ({r['moe']['x_floor']:.2f}x)", flush=True)
+                    save()
+            if "prefill" in sections:
+                for tokens in prefill_lengths:
+                    if over_budget():
+                        break
+                    r = bench_prefill(text, layer, tokens, ceil, max(3, reps // 10), seed=tokens,
+                                      with_reference=not args.no_prefill_reference)
+                    entry[f"prefill_{tokens}"] = r
+                    print(f"[{kind}] prefill {tokens}: fast {r['fast_tok_s']:.0f} tok/s ({r['fast_ms']:.1f} ms, floor "
+                          f"{r['floor_ms']:.1f}), ref {r.get('reference_tok_s', float('nan')):.0f} tok/s", flush=True)
+                    save()
+            if kind == "kda" and not over_budget():
+                r = bench_expert_gemms(text, layer, prefill_lengths[-1], ceil, max(3, reps // 5), seed=7,
+                                       configs=PREFILL_VARIANTS if "sweep" in sections else None)
+                results["expert_gemms_8k"] = r
+                print("expert GEMMs 8k:", {k: (round(v["TFLOPs"], 1) if isinstance(v, dict) and "TFLOPs" in v else v)
+                                           for k, v in r.items()}, flush=True)
+                save()
+                if "sweep" in sections:
+                    for batch in (1, 8):
+                        if over_budget():
+                            break
+                        r = sweep_decode(text, layer, batch, ceil, reps, seed=11 + batch, configs=DECODE_VARIANTS)
+                        results[f"mxfp4_decode_sweep_b{batch}"] = r
+                        print(f"decode sweep b{batch}:", {k: (round(v["graph_ms"], 4) if isinstance(v, dict) and
+                                                              "graph_ms" in v else v) for k, v in r.items()}, flush=True)
+                        save()
+            del layer
+        except Exception:
+            entry["error"] = traceback.format_exc()[-3000:]
+            print(f"[{kind}] FAILED:\n{entry['error']}", flush=True)
+        torch.cuda.empty_cache()
+        save()
+    try:
+        for batch in (1, 8):
+            ms, b = lm_head_ms(text, reps, batch)
+            results[f"lm_head_b{batch}"] = {"ms": ms, "floor_ms": b / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3}
+    except Exception as err:
+        results["lm_head_error"] = repr(err)
+    results["extrapolation"] = extrapolate(results)
+    save()
+    print_summary(results)
+    return 0
+
+
+def _version(dist):
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return None
+
+
+def extrapolate(results):
+    """93 layers (69 KDA + 24 MLA) + LM head, batch 1 and 8, from the per-layer decode steps."""
+    layers = results["layers"]
+    out = {}
+    for batch in (1, 8):
+        kda, mla = layers.get("kda", {}).get(f"decode_b{batch}"), layers.get("mla", {}).get(f"decode_b{batch}")
+        head = results.get(f"lm_head_b{batch}")
+        if not (kda and mla and head):
+            continue
+        row = {}
+        for label, key in (("graph", "fast_graph_ms"), ("eager", "fast_eager_ms"), ("reference", "reference_eager_ms"),
+                           ("floor", "floor_ms")):
+            if key in kda and key in mla:
+                head_ms = head["floor_ms"] if label == "floor" else head["ms"]
+                tpot = KDA_LAYERS * kda[key] + MLA_LAYERS * mla[key] + head_ms
+                row[label] = {"tpot_ms": tpot, "tok_s_per_stream": 1e3 / tpot}
+        out[f"b{batch}"] = row
+    return out
+
+
+def print_summary(results):
+    print("\n=== one layer, one H200 ===")
+    for kind, entry in results["layers"].items():
+        for key, r in entry.items():
+            if key.startswith("decode_b"):
+                print(f"{kind} {key}: graph {r.get('fast_graph_ms', float('nan')):.3f} ms | eager "
+                      f"{r['fast_eager_ms']:.3f} | reference {r['reference_eager_ms']:.2f} | floor {r['floor_ms']:.3f}"
+                      f" ({r.get('graph_fraction_of_floor', float('nan')):.0%} of floor) | experts {r['unique_experts']}"
+                      f" | moe {r['moe'].get('fast_graph_ms', float('nan')):.3f} vs {r['moe']['floor_ms']:.3f}"
+                      f" = {r['moe']['x_floor']:.2f}x floor")
+            elif key.startswith("prefill_"):
+                print(f"{kind} {key}: fast {r['fast_tok_s']:.0f} tok/s ({r['fast_fraction_of_floor']:.0%} of floor"
+                      f" {r['floor_ms']:.1f} ms) | reference {r.get('reference_tok_s', float('nan')):.0f} tok/s")
+    g = results.get("expert_gemms_8k")
+    if g:
+        for name, v in g.items():
+            if isinstance(v, dict) and "TFLOPs" in v:
+                print(f"expert GEMMs 8k {name}: {v['TFLOPs']:.0f} TFLOP/s = {v['fraction_of_bf16_peak']:.0%} of bf16")
+    for batch, row in results.get("extrapolation", {}).items():
+        parts = " | ".join(f"{k} {v['tpot_ms']:.1f} ms ({v['tok_s_per_stream']:.1f} tok/s)" for k, v in row.items())
+        print(f"93 layers + lm_head, {batch}: {parts} | card: {CARD['tpot_ms']} ms ({CARD['tok_s']} tok/s), "
+              f"{CARD['setup']}")
+    print(f"elapsed {results.get('elapsed_s', 0):.0f} s")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# How bench/results/layer_h200.json was made: the GPU tests, then the real-shape layer benchmark, on a machine with
+# no network (fla-core travels as a wheel in the git-ignored .whl/). Writes logs and the JSON under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kimi-k3-bench}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export KIMI_K3_QUICK_TUNE=${KIMI_K3_QUICK_TUNE:-1} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu,clocks.sm --format=csv
+python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -rA -s -p no:cacheprovider tests/test_gpu_paths.py \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?"
+    grep -E "greedy:|passed|failed|FAILED|ERROR|Error" "$OUT/gpu_tests.log" | tail -30
+fi
+budget=${BENCH_BUDGET:-150}
+timeout $((budget + 60)) python3 bench/layer.py --budget-s "$budget" --out "$OUT/layer_h200.json" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench.log" | grep -vE "^\[|^expert GEMMs|^decode sweep"
