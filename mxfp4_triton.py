@@ -295,7 +295,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     latent, inner = stack.latent, stack.inner
     config = config or pick_config(pairs, num_experts)
     block_m = config["BM"]
-    x = z.to(torch.bfloat16).contiguous() if z.dtype != torch.float16 else z.contiguous()
+    x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
     rows, block_expert = align_blocks(ids, num_experts, block_m)
     blocks = block_expert.numel()
     h = torch.empty(pairs, inner, dtype=h_dtype or x.dtype, device=x.device)
