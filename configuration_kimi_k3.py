@@ -4,6 +4,8 @@ The release names its text config `model_type "kimi_linear"`, which transformers
 incompatible model, so the nested config is always built here from its dict and never looked up in the registry.
 """
 
+import inspect
+
 from transformers import PretrainedConfig
 
 MXFP4_GROUP_SIZE = 32
@@ -159,6 +161,21 @@ class KimiK3TextConfig(PretrainedConfig):
             return self.num_experts_per_layer[layer_idx]
         return self.num_experts
 
+    def release_dict(self):
+        """The nested `text_config` as the release writes it: our keys plus any non-default generic ones."""
+        generic = PretrainedConfig().to_dict()
+        own = set(inspect.signature(KimiK3TextConfig.__init__).parameters)
+        output = {
+            key: value
+            for key, value in self.to_dict().items()
+            if key in own or (key in generic and value != generic[key]) or key not in generic
+        }
+        for key in ("layer_types", "transformers_version", "architectures", "auto_map", "model_type"):
+            output.pop(key, None)
+        if output.get("num_experts_per_layer") is None:
+            output.pop("num_experts_per_layer", None)
+        return {"model_type": "kimi_linear", **output}
+
     def _validate(self):
         lac = self.linear_attn_config
         _check(self.hidden_act == "situ", f"hidden_act {self.hidden_act!r} is not supported (only 'situ')")
@@ -255,10 +272,7 @@ class KimiK3Config(PretrainedConfig):
 
     def to_dict(self):
         output = super().to_dict()
-        output["text_config"] = self.text_config.to_dict()
-        output["text_config"]["model_type"] = "kimi_linear"
-        for key in ("layer_types", "transformers_version", "architectures", "auto_map"):
-            output["text_config"].pop(key, None)
+        output["text_config"] = self.text_config.release_dict()
         quantization = output.pop("expert_quantization", None)
         if quantization is not None:
             output["quantization_config"] = quantization
