@@ -19,6 +19,9 @@ import torch
 
 # Set to False to force the reference path (benchmarks and tests compare the two on the same weights).
 ENABLED = True
+# fla's `safe_gate` (16-row tensor-core sub-chunks, valid for gates bounded in [lower_bound, 0) with lower_bound
+# >= -5): None uses it whenever the bound allows; False never.
+SAFE_GATE = None
 
 _fla = None
 
@@ -77,7 +80,7 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
     if decode:
         o, state = fla_recurrent(q, k, v.contiguous(), g_raw, beta_raw, **common)
     else:
-        safe = lower_bound is not None and -5 <= lower_bound < 0
+        safe = SAFE_GATE is not False and lower_bound is not None and -5 <= lower_bound < 0
         o, state = fla_chunk(q, k, v.contiguous(), g_raw, beta_raw, safe_gate=safe, **common)
     return o, state
 

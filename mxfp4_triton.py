@@ -10,10 +10,10 @@ Two grouped kernels over (token, expert) pairs sorted by expert, `BM` pairs of o
 the host sums the k pairs of each token in fp32, as the reference does. One launch pattern serves decode (BM=16,
 the compiler swaps the operands so the 16 tokens are the narrow side of the MMA) and prefill (BM=64/128).
 
-The matrix step is `tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")` on the GPU (Hopper has no FP4 MMA; Triton
-upcasts the nibbles to bf16 in registers), or, with `DOT_SCALED=False`, an explicit in-register dequant followed by
-`tl.dot` (what the Triton interpreter runs on CPU in the tests, and a fallback for Triton builds without
-`dot_scaled`). Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
+The matrix step (`UPCAST`) is `tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")` (Hopper has no FP4 MMA; Triton
+upcasts the nibbles to bf16 in registers), a packed inline-PTX nibble -> bf16 conversion followed by `tl.dot`
+("asm"), or an explicit fp32 dequant followed by `tl.dot` ("manual": what the Triton interpreter runs on CPU in
+the tests). Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
 Only `routed_experts` is called by the model; it returns None when this path does not apply (no triton, experts
 not packed, tensors not on one CUDA device), and the caller falls back to the reference loop.
@@ -34,8 +34,9 @@ except ImportError:  # CPU-only installs: the model uses the reference path
 # Set to False to force the reference expert loop (benchmarks and tests compare the two on the same weights).
 ENABLED = True
 
-# Kernel configurations: decode (few pairs) and prefill (many). Each entry: BM, BN, BK, num_warps, num_stages,
-# for the w13 and the w2 kernel (BM must agree between the two: they share the routing metadata).
+# Kernel configurations: decode (few pairs) and prefill (many). Each entry: BM, and BN, BK, num_warps, num_stages
+# for the w13 and the w2 kernel (BM must agree between the two: they share the routing metadata); optional keys
+# "upcast", "atomic", "fast_math" override the module defaults below for that regime.
 CONFIGS = {
     "decode": dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4)),
     "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3)),
@@ -45,8 +46,12 @@ DECODE_MAX_PAIRS_PER_EXPERT = 4
 # True: the w2 kernel adds weight * y into an fp32 [N, L] buffer atomically (one pass, order not fixed);
 # False: it stores per-pair rows and torch sums them (deterministic).
 ATOMIC_COMBINE = False
-# False selects the explicit in-register dequant instead of tl.dot_scaled.
-USE_DOT_SCALED = True
+# How the nibbles become bf16 MMA operands: "dot_scaled" (tl.dot_scaled: Triton's own upcast), "asm" (packed
+# inline-PTX conversion, one scale group at a time, then tl.dot), "asm_swap" (the same with weights as the MMA's
+# wide operand, for decode) or "manual" (fp32 dequant arithmetic, then tl.dot; what the Triton interpreter runs). FAST_MATH is dot_scaled's flag (skips NaN propagation of the scales).
+UPCAST = "dot_scaled"
+FAST_MATH = False
+_UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3}
 
 # Under TRITON_INTERPRET=1 (CPU, numpy) the manual path multiplies in fp32: the interpreter's bf16 dot is unusable.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -151,20 +156,71 @@ if triton is not None:
         return tl.where((nib & 8) != 0, -mag, mag)
 
     @triton.jit
-    def _mx_tile_dot(acc, x_ptrs, x_mask, w_ptrs, s_ptrs, s_exp_ptrs, BK: tl.constexpr, DOT_SCALED: tl.constexpr,
-                     F32_DOT: tl.constexpr):
-        """acc += x [BM, BK] @ dequant(w [BK/2, BN] packed along K, scales [BN, BK/32])."""
-        if DOT_SCALED:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            w = tl.load(w_ptrs)
-            s = tl.load(s_ptrs)
-            acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc)
-        else:
-            # x_ptrs point at the even elements; the odd ones are one element further
-            x_even = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0)
-            w = tl.load(w_ptrs).to(tl.int32)
-            scale = tl.exp2(tl.load(s_exp_ptrs).to(tl.float32) - 127.0)  # [BK/2, BN], one per byte
+    def _e2m1x4_bf16(packed):
+        """uint8 bytes -> (low nibbles, high nibbles) as bf16, four bytes per instruction sequence: each nibble's
+        bits go straight into bf16 fields (sign -> bit 15, the three magnitude bits -> bits 6..8, which reads as
+        E2M1 * 2^-126, code 1 as a subnormal), then one bf16x2 multiply by 2^126 makes them exact E2M1 values."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 z, k, t01, t23, a, b;
+            mov.b32 z, 0;
+            mov.b32 k, 0x7E807E80;
+            prmt.b32 t01, $4, z, 0x4140;
+            prmt.b32 t23, $4, z, 0x4342;
+            shl.b32 a, t01, 6;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t01, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 a, a, b;
+            mul.rn.bf16x2 $0, a, k;
+            shl.b32 a, t23, 6;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t23, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 a, a, b;
+            mul.rn.bf16x2 $1, a, k;
+            shl.b32 a, t01, 2;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t01, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 a, a, b;
+            mul.rn.bf16x2 $2, a, k;
+            shl.b32 a, t23, 2;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t23, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 a, a, b;
+            mul.rn.bf16x2 $3, a, k;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+
+    @triton.jit
+    def _mx_tile_dot(acc, x_row, x_mask, w_col, s_col, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+                     F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
+        """acc [BM, BN] += x [BM, BK] @ dequant(w), for one K tile starting at the given pointers:
+        x_row [BM, 1] -> x[token, k0]; w_col [1, BN] -> packed[n, k0/2]; s_col [1, BN] -> scale[n, k0/32].
+
+        UPCAST 0: tl.dot_scaled (Triton upcasts e2m1 itself); 1: fp32 dequant arithmetic then tl.dot (the path the
+        interpreter runs); 2: packed inline-PTX nibble -> bf16 conversion, one scale group of 32 at a time."""
+        if UPCAST == 0:
+            x = tl.load(x_row + tl.arange(0, BK)[None, :], mask=x_mask, other=0.0)
+            w = tl.load(w_col + tl.arange(0, BK // 2)[:, None])  # [BK/2, BN], packed along K
+            s = tl.load(tl.reshape(s_col, (BN, 1)) + tl.arange(0, BK // 32)[None, :])  # [BN, BK/32]
+            acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=FAST_MATH)
+        elif UPCAST == 1:
+            offs = 2 * tl.arange(0, BK // 2)
+            x_even = tl.load(x_row + offs[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_row + offs[None, :] + 1, mask=x_mask, other=0.0)
+            j = tl.arange(0, BK // 2)[:, None]
+            w = tl.load(w_col + j).to(tl.int32)
+            scale = tl.exp2(tl.load(s_col + j // 16).to(tl.float32) - 127.0)  # [BK/2, BN], one per byte
             w_lo = _e2m1(w & 15) * scale
             w_hi = _e2m1(w >> 4) * scale
             if F32_DOT:  # the interpreter's bf16 dot is not usable; these fp32 products are exact anyway
@@ -173,6 +229,29 @@ if triton is not None:
             else:
                 acc = tl.dot(x_even.to(tl.bfloat16), w_lo.to(tl.bfloat16), acc)
                 acc = tl.dot(x_odd.to(tl.bfloat16), w_hi.to(tl.bfloat16), acc)
+        elif UPCAST == 2:
+            offs = 2 * tl.arange(0, 16)
+            for g in tl.static_range(BK // 32):
+                x_even = tl.load(x_row + (32 * g + offs)[None, :], mask=x_mask, other=0.0)
+                x_odd = tl.load(x_row + (32 * g + 1 + offs)[None, :], mask=x_mask, other=0.0)
+                w = tl.load(w_col + (16 * g + tl.arange(0, 16))[:, None])  # [16, BN] bytes = 32 elements
+                s = tl.load(s_col + g)  # [1, BN] E8M0 codes
+                scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(s-127) as bf16 (code 255: inf)
+                w_lo, w_hi = _e2m1x4_bf16(w)
+                acc = tl.dot(x_even.to(tl.bfloat16), w_lo * scale, acc)
+                acc = tl.dot(x_odd.to(tl.bfloat16), w_hi * scale, acc)
+        else:  # 3: as 2 with the operands swapped, acc [BN, BM] += dequant(w) [BN, 32] @ x^T [32, BM]: the weight
+            # rows fill the MMA's wide side (wgmma needs 64) and the few decode tokens its narrow side
+            offs = 2 * tl.arange(0, 16)
+            for g in tl.static_range(BK // 32):
+                x_even = tl.load(x_row + (32 * g + offs)[:, None], mask=x_mask, other=0.0)  # [16, BM]
+                x_odd = tl.load(x_row + (32 * g + 1 + offs)[:, None], mask=x_mask, other=0.0)
+                w = tl.load(w_col + (16 * g + tl.arange(0, 16))[None, :])  # [BN, 16]
+                s = tl.load(s_col + g)  # [BN, 1]
+                scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+                w_lo, w_hi = _e2m1x4_bf16(w)
+                acc = tl.dot(w_lo * scale, x_even.to(tl.bfloat16), acc)
+                acc = tl.dot(w_hi * scale, x_odd.to(tl.bfloat16), acc)
         return acc
 
     @triton.jit
@@ -183,8 +262,8 @@ if triton is not None:
     def _w13_kernel(z_ptr, rows_ptr, block_expert_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                     num_pairs, top_k, stride_z, stride_h, K: tl.constexpr, N: tl.constexpr,
                     E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    BETA: tl.constexpr, LINEAR_BETA: tl.constexpr, DOT_SCALED: tl.constexpr,
-                    F32_DOT: tl.constexpr):
+                    BETA: tl.constexpr, LINEAR_BETA: tl.constexpr, UPCAST: tl.constexpr,
+                    F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -197,36 +276,37 @@ if triton is not None:
         expert = expert.to(tl.int64)
         K2 = K // 2
         KG = K // 32
-        w_off = expert * N * K2 + offs_n[None, :] * K2  # [1, BN]
-        s_off = expert * N * KG + offs_n[:, None] * KG  # [BN, 1]
-        if DOT_SCALED:
-            offs_k = tl.arange(0, BK)
-            x_ptrs = z_ptr + token[:, None] * stride_z + offs_k[None, :]
+        if UPCAST == 3:
+            x_row = z_ptr + token[None, :] * stride_z  # [1, BM]
+            w_col = expert * N * K2 + offs_n[:, None] * K2  # [BN, 1]
+            s_col = expert * N * KG + offs_n[:, None] * KG
+            acc1 = tl.zeros((BN, BM), dtype=tl.float32)
+            acc3 = tl.zeros((BN, BM), dtype=tl.float32)
+            x_mask = valid[None, :]
         else:
-            offs_k = 2 * tl.arange(0, BK // 2)
-            x_ptrs = z_ptr + token[:, None] * stride_z + offs_k[None, :]
-        offs_j = tl.arange(0, BK // 2)
-        offs_g = tl.arange(0, BK // 32)
-        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        x_mask = valid[:, None]
+            x_row = z_ptr + token[:, None] * stride_z  # [BM, 1]
+            w_col = expert * N * K2 + offs_n[None, :] * K2  # [1, BN]
+            s_col = expert * N * KG + offs_n[None, :] * KG
+            acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+            acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+            x_mask = valid[:, None]
         for k0 in range(0, K, BK):
-            w_idx = w_off + (k0 // 2 + offs_j)[:, None]  # [BK/2, BN]
-            s_idx = s_off + (k0 // 32 + offs_g)[None, :]  # [BN, BK/32]
-            s_exp_idx = expert * N * KG + offs_n[None, :] * KG + (k0 // 32 + offs_j // 16)[:, None]  # [BK/2, BN]
-            acc1 = _mx_tile_dot(acc1, x_ptrs + k0, x_mask, w1_ptr + w_idx, s1_ptr + s_idx, s1_ptr + s_exp_idx, BK,
-                                DOT_SCALED, F32_DOT)
-            acc3 = _mx_tile_dot(acc3, x_ptrs + k0, x_mask, w3_ptr + w_idx, s3_ptr + s_idx, s3_ptr + s_exp_idx, BK,
-                                DOT_SCALED, F32_DOT)
+            acc1 = _mx_tile_dot(acc1, x_row + k0, x_mask, w1_ptr + w_col + k0 // 2, s1_ptr + s_col + k0 // 32,
+                                BN, BK, UPCAST, F32_DOT, FAST_MATH)
+            acc3 = _mx_tile_dot(acc3, x_row + k0, x_mask, w3_ptr + w_col + k0 // 2, s3_ptr + s_col + k0 // 32,
+                                BN, BK, UPCAST, F32_DOT, FAST_MATH)
         act = (BETA * _tanh(acc1 / BETA)) * tl.sigmoid(acc1) * (LINEAR_BETA * _tanh(acc3 / LINEAR_BETA))
-        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+        if UPCAST == 3:
+            h_ptrs = h_ptr + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None]
+        else:
+            h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
         tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=x_mask)
 
     @triton.jit(do_not_specialize=["num_pairs", "top_k"])
     def _w2_kernel(h_ptr, rows_ptr, block_expert_ptr, w2_ptr, s2_ptr, weight_ptr, y_ptr,
                    num_pairs, top_k, stride_h, stride_y, K: tl.constexpr, N: tl.constexpr,
                    E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   DOT_SCALED: tl.constexpr, ATOMIC: tl.constexpr, F32_DOT: tl.constexpr):
+                   UPCAST: tl.constexpr, ATOMIC: tl.constexpr, F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -239,31 +319,36 @@ if triton is not None:
         expert = expert.to(tl.int64)
         K2 = K // 2
         KG = K // 32
-        w_off = expert * N * K2 + offs_n[None, :] * K2
-        s_off = expert * N * KG + offs_n[:, None] * KG
-        if DOT_SCALED:
-            offs_k = tl.arange(0, BK)
+        if UPCAST == 3:
+            x_row = h_ptr + row64[None, :] * stride_h
+            w_col = expert * N * K2 + offs_n[:, None] * K2
+            s_col = expert * N * KG + offs_n[:, None] * KG
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            x_mask = valid[None, :]
         else:
-            offs_k = 2 * tl.arange(0, BK // 2)
-        x_ptrs = h_ptr + row64[:, None] * stride_h + offs_k[None, :]
-        offs_j = tl.arange(0, BK // 2)
-        offs_g = tl.arange(0, BK // 32)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        x_mask = valid[:, None]
+            x_row = h_ptr + row64[:, None] * stride_h
+            w_col = expert * N * K2 + offs_n[None, :] * K2
+            s_col = expert * N * KG + offs_n[None, :] * KG
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            x_mask = valid[:, None]
         for k0 in range(0, K, BK):
-            w_idx = w_off + (k0 // 2 + offs_j)[:, None]
-            s_idx = s_off + (k0 // 32 + offs_g)[None, :]
-            s_exp_idx = expert * N * KG + offs_n[None, :] * KG + (k0 // 32 + offs_j // 16)[:, None]
-            acc = _mx_tile_dot(acc, x_ptrs + k0, x_mask, w2_ptr + w_idx, s2_ptr + s_idx, s2_ptr + s_exp_idx, BK,
-                               DOT_SCALED, F32_DOT)
+            acc = _mx_tile_dot(acc, x_row + k0, x_mask, w2_ptr + w_col + k0 // 2, s2_ptr + s_col + k0 // 32,
+                               BN, BK, UPCAST, F32_DOT, FAST_MATH)
         weight = tl.load(weight_ptr + row64, mask=valid, other=0.0)
         # the reference rounds each expert's output to the activation dtype before weighting it in fp32
-        out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
-        if ATOMIC:
-            token = row64 // top_k
-            tl.atomic_add(y_ptr + token[:, None] * stride_y + offs_n[None, :], out, mask=x_mask, sem="relaxed")
+        token = row64 // top_k
+        if UPCAST == 3:
+            out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[None, :]
+            if ATOMIC:
+                tl.atomic_add(y_ptr + token[None, :] * stride_y + offs_n[:, None], out, mask=x_mask, sem="relaxed")
+            else:
+                tl.store(y_ptr + row64[None, :] * stride_y + offs_n[:, None], out, mask=x_mask)
         else:
-            tl.store(y_ptr + row64[:, None] * stride_y + offs_n[None, :], out, mask=x_mask)
+            out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+            if ATOMIC:
+                tl.atomic_add(y_ptr + token[:, None] * stride_y + offs_n[None, :], out, mask=x_mask, sem="relaxed")
+            else:
+                tl.store(y_ptr + row64[:, None] * stride_y + offs_n[None, :], out, mask=x_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,18 +367,24 @@ def pick_config(num_pairs, num_experts):
     return CONFIGS["decode" if num_pairs <= DECODE_MAX_PAIRS_PER_EXPERT * num_experts else "prefill"]
 
 
-def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=None, dot_scaled=None, atomic=None,
-                h_dtype=None):
+def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=None, upcast=None, atomic=None,
+                h_dtype=None, fast_math=None, dot_scaled=None):
     """fp32 [N, L]: sum_k weights[:, k] * expert_{ids[:, k]}(z) over the stacked packs. z: [N, L].
 
     The intermediate activation (and each expert's output before weighting) is rounded to `h_dtype`, by default
-    the activation dtype, as the reference does; the tests pass float32 to check the indexing exactly."""
-    dot_scaled = (USE_DOT_SCALED and not _INTERPRET) if dot_scaled is None else dot_scaled
-    atomic = ATOMIC_COMBINE if atomic is None else atomic
+    the activation dtype, as the reference does; the tests pass float32 to check the indexing exactly.
+    `dot_scaled=True/False` is shorthand for upcast="dot_scaled"/"manual"."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     latent, inner = stack.latent, stack.inner
     config = config or pick_config(pairs, num_experts)
+    if upcast is None:
+        upcast = ("dot_scaled" if dot_scaled else "manual") if dot_scaled is not None else config.get("upcast", UPCAST)
+    if _INTERPRET:
+        upcast = "manual"  # neither tl.dot_scaled nor inline PTX runs in the interpreter
+    mode = _UPCAST_CODES[upcast]
+    fast_math = config.get("fast_math", FAST_MATH) if fast_math is None else fast_math
+    atomic = config.get("atomic", ATOMIC_COMBINE) if atomic is None else atomic
     block_m = config["BM"]
     x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
     rows, block_expert = align_blocks(ids, num_experts, block_m)
@@ -305,7 +396,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         x, rows, block_expert, stack.w1, stack.s1, stack.w3, stack.s3, h,
         pairs, top_k, x.stride(0), h.stride(0), K=latent, N=inner,
         E=num_experts, BM=block_m, BN=bn, BK=bk, BETA=float(beta), LINEAR_BETA=float(linear_beta),
-        DOT_SCALED=dot_scaled, F32_DOT=_INTERPRET, num_warps=warps, num_stages=stages,
+        UPCAST=mode, F32_DOT=_INTERPRET, FAST_MATH=fast_math, num_warps=warps, num_stages=stages,
     )
     flat_weights = weights.reshape(-1).float().contiguous()
     if atomic:
@@ -317,7 +408,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     _w2_kernel[(blocks, latent // bn)](
         h, rows, block_expert, stack.w2, stack.s2, flat_weights, y,
         pairs, top_k, h.stride(0), y.stride(0), K=inner, N=latent,
-        E=num_experts, BM=block_m, BN=bn, BK=bk, DOT_SCALED=dot_scaled, ATOMIC=atomic, F32_DOT=_INTERPRET,
+        E=num_experts, BM=block_m, BN=bn, BK=bk, UPCAST=mode, ATOMIC=atomic, F32_DOT=_INTERPRET, FAST_MATH=fast_math,
         num_warps=warps, num_stages=stages,
     )
     return y if atomic else y.view(tokens, top_k, latent).sum(1)

@@ -331,14 +331,19 @@ def bench_expert_gemms(text, layer, tokens, ceil, reps, seed, configs=None):
     out = {"tokens": tokens, "pairs": ids.numel(), "flops": flops}
     align_cfg = mxfp4_triton.pick_config(ids.numel(), moe.num_experts)
     out["align_ms"] = time_ms(lambda: mxfp4_triton.align_blocks(ids, moe.num_experts, align_cfg["BM"]), reps)
-    variants = configs or {"default": {}}
-    for name, kw in variants.items():
+    variants = configs or {"default": None}
+    ref = reference_routed(moe, z, ids, weights) if configs else None
+    for name, cfg in variants.items():
         try:
-            run = lambda: mxfp4_triton.run_experts(stack, z, ids, weights, moe.num_experts, 4.0, 25.0, **kw)  # noqa
-            run()
+            run = lambda: mxfp4_triton.run_experts(stack, z, ids, weights, moe.num_experts, 4.0, 25.0,  # noqa
+                                                   config=cfg)
+            got = run()
             ms = time_ms(run, reps)
             out[name] = {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12,
                          "fraction_of_bf16_peak": flops / (ms * 1e-3) / (ceil["bf16_matmul_TFLOPs"] * 1e12)}
+            if ref is not None:
+                out[name]["rel_err"] = float((got - ref).norm() / ref.norm())
+            del got
         except Exception as err:
             out[name] = {"error": repr(err)[:400]}
     return out
@@ -356,34 +361,95 @@ def sweep_decode(text, layer, batch, ceil, reps, seed, configs):
     unique = int(ids.unique().numel())
     floor_ms = unique * expert_bytes(layer) / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3
     out = {"batch": batch, "unique_experts": unique, "floor_ms": floor_ms}
-    for name, kw in configs.items():
+    ref = reference_routed(moe, z, ids, weights)
+    for name, cfg in configs.items():
         try:
-            run = lambda: mxfp4_triton.run_experts(stack, z, ids, weights, moe.num_experts, 4.0, 25.0, **kw)  # noqa
-            run()
+            run = lambda: mxfp4_triton.run_experts(stack, z, ids, weights, moe.num_experts, 4.0, 25.0,  # noqa
+                                                   config=cfg)
+            got = run()
+            rel_err = float((got - ref).norm() / ref.norm())
             if DEVICE == "cuda":
                 graph, _ = graph_of(run, lambda: None)
                 ms = time_ms(graph.replay, reps)
                 del graph
             else:
                 ms = time_ms(run, reps)
-            out[name] = {"graph_ms": ms, "x_floor": ms / floor_ms}
+            out[name] = {"graph_ms": ms, "x_floor": ms / floor_ms, "rel_err": rel_err}
         except Exception as err:
             out[name] = {"error": repr(err)[:400]}
     return out
 
 
+def _cfg(bm, w13, w2, upcast, atomic=False, fast_math=False):
+    return dict(BM=bm, w13=w13, w2=w2, upcast=upcast, atomic=atomic, fast_math=fast_math)
+
+
 DECODE_VARIANTS = {
-    "dot_scaled_bn64_bk128": dict(config=dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4)), dot_scaled=True),
-    "dot_scaled_bn32_bk256": dict(config=dict(BM=16, w13=(32, 256, 4, 4), w2=(32, 256, 4, 4)), dot_scaled=True),
-    "manual_bn64_bk128": dict(config=dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4)), dot_scaled=False),
-    "dot_scaled_bn64_bk128_atomic": dict(config=dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4)),
-                                         dot_scaled=True, atomic=True),
+    "dot_scaled_bn64_bk128": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "dot_scaled"),
+    "dot_scaled_fastmath": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "dot_scaled", fast_math=True),
+    "asm_bn64_bk128": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "asm"),
+    "asm_swap_bn64_bk128": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "asm_swap"),
+    "asm_swap_bn128_bk128": _cfg(16, (128, 128, 4, 3), (128, 128, 4, 3), "asm_swap"),
+    "asm_swap_bn64_bk256": _cfg(16, (64, 256, 4, 3), (64, 256, 4, 3), "asm_swap"),
+    "asm_swap_bn64_bk128_atomic": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "asm_swap", atomic=True),
+    "manual_bn64_bk128": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "manual"),
 }
 PREFILL_VARIANTS = {
-    "dot_scaled_bm128": dict(config=dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3)), dot_scaled=True),
-    "dot_scaled_bm64": dict(config=dict(BM=64, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3)), dot_scaled=True),
-    "manual_bm128": dict(config=dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3)), dot_scaled=False),
+    "dot_scaled_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled"),
+    "dot_scaled_bm128_fastmath": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled", fast_math=True),
+    "dot_scaled_bm128_atomic": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled", atomic=True),
+    "asm_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "asm"),
+    "asm_bm64": _cfg(64, (128, 128, 8, 3), (128, 128, 8, 3), "asm"),
 }
+
+
+def reference_routed(moe, z, ids, weights):
+    """The model's own routed-expert loop (experts dequantized per call), fp32 [N, L]."""
+    y = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    with torch.no_grad():
+        for e in ids.unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            y.index_add_(0, token, moe.experts[e](z[token]).float() * weights[token, slot, None])
+    return y
+
+
+def choose(sweep, key, tolerance=2e-2):
+    """The fastest variant of a sweep whose output matched the reference."""
+    good = {k: v for k, v in sweep.items() if isinstance(v, dict) and key in v and v.get("rel_err", 1) < tolerance}
+    return min(good, key=lambda k: good[k][key]) if good else None
+
+
+def bench_kda_core(tokens, reps, seed):
+    """fla chunk_kda at the release's head shape, safe_gate on and off, against the fp32 torch reference."""
+    import kda
+
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    heads, dim = 96, 128
+    q, k, v, g_raw = (torch.randn(1, tokens, heads, dim, device=DEVICE, generator=gen).to(torch.bfloat16)
+                      for _ in range(4))
+    beta_raw = torch.randn(1, tokens, heads, device=DEVICE, generator=gen).to(torch.bfloat16)
+    A_log = torch.randn(heads, device=DEVICE, generator=gen) * 0.5
+    dt_bias = torch.randn(heads * dim, device=DEVICE, generator=gen)
+    out = {"tokens": tokens}
+    with torch.no_grad():
+        g = kda.kda_gate(g_raw, A_log, dt_bias, -5.0)
+        with Timer() as t:
+            ref_o, ref_s = kda.chunk_kda(kda.l2norm(q.float()), kda.l2norm(k.float()), v.float(), g,
+                                         torch.sigmoid(beta_raw.float()), scale=dim**-0.5)
+        out["reference_ms"] = t.ms
+        previous = kda_fla.SAFE_GATE
+        try:
+            for safe in (None, False):
+                kda_fla.SAFE_GATE = safe
+                run = lambda: kda_fla.kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0,  # noqa: E731
+                                                  dim**-0.5)
+                o, state = run()
+                out["safe_gate" if safe is None else "no_safe_gate"] = {
+                    "ms": time_ms(run, reps), "o_rel_err": float((o.float() - ref_o).norm() / ref_o.norm()),
+                    "state_rel_err": float((state - ref_s).norm() / ref_s.norm())}
+        finally:
+            kda_fla.SAFE_GATE = previous
+    return out
 
 
 def lm_head_ms(text, reps, batch):
@@ -398,7 +464,9 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "layer_h200.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="skip sections once past this")
-    parser.add_argument("--sections", default="decode,prefill,sweep", help="comma list: decode,prefill,sweep")
+    parser.add_argument("--sections", default="sweep,kda,decode,prefill",
+                        help="comma list: sweep (MXFP4 kernel variants; the fastest correct one is then used), "
+                             "kda (fla chunk_kda safe_gate on/off), decode, prefill")
     parser.add_argument("--no-prefill-reference", action="store_true")
     parser.add_argument("--smoke", action="store_true",
                         help="dry run on CPU at tiny shapes (reference path; kernels in the Triton interpreter)")
@@ -421,7 +489,7 @@ def main(argv=None):
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
                      "fla": _version("fla-core"), "transformers": _version("transformers")},
         "fast_paths": {"mxfp4_triton": mxfp4_triton.available(), "kda_fla": kda_fla.available(DEVICE),
-                       "mxfp4_configs": mxfp4_triton.CONFIGS, "dot_scaled": mxfp4_triton.USE_DOT_SCALED,
+                       "mxfp4_configs": mxfp4_triton.CONFIGS, "upcast": mxfp4_triton.UPCAST,
                        "atomic_combine": mxfp4_triton.ATOMIC_COMBINE,
                        "fla_quick_tune": os.environ.get("KIMI_K3_QUICK_TUNE") == "1"},
         "context_tokens_for_decode": CONTEXT,
@@ -463,6 +531,40 @@ def main(argv=None):
             entry["build_s"] = time.time() - t0
             entry["non_expert_bytes"] = non_expert_bytes(layer)
             entry["expert_bytes_each"] = expert_bytes(layer)
+            if kind == "kda" and "sweep" in sections and not over_budget():
+                for batch in (1, 8):
+                    r = sweep_decode(text, layer, batch, ceil, reps, seed=11 + batch, configs=DECODE_VARIANTS)
+                    results[f"mxfp4_decode_sweep_b{batch}"] = r
+                    print(f"decode sweep b{batch}:", {k: (round(v["graph_ms"], 4), round(v["rel_err"], 4))
+                                                      if isinstance(v, dict) and "graph_ms" in v else v
+                                                      for k, v in r.items()}, flush=True)
+                    save()
+                totals = {}
+                for name in DECODE_VARIANTS:
+                    rows = [results[f"mxfp4_decode_sweep_b{b}"].get(name, {}) for b in (1, 8)]
+                    if all("graph_ms" in r and r["rel_err"] < 2e-2 for r in rows):
+                        totals[name] = sum(r["x_floor"] for r in rows)
+                if totals:
+                    best = min(totals, key=totals.get)
+                    mxfp4_triton.CONFIGS["decode"] = DECODE_VARIANTS[best]
+                    results["chosen_decode_config"] = {"name": best, **DECODE_VARIANTS[best]}
+                r = bench_expert_gemms(text, layer, prefill_lengths[-1], ceil, max(3, reps // 5), seed=7,
+                                       configs=PREFILL_VARIANTS)
+                results["mxfp4_prefill_sweep"] = r
+                print("prefill sweep:", {k: (round(v["TFLOPs"], 1), round(v.get("rel_err", -1), 4))
+                                         if isinstance(v, dict) and "TFLOPs" in v else v for k, v in r.items()},
+                      flush=True)
+                best = choose(r, "ms")
+                if best:
+                    mxfp4_triton.CONFIGS["prefill"] = PREFILL_VARIANTS[best]
+                    results["chosen_prefill_config"] = {"name": best, **PREFILL_VARIANTS[best]}
+                results["fast_paths"]["mxfp4_configs_used"] = mxfp4_triton.CONFIGS
+                save()
+            if kind == "kda" and "kda" in sections and not over_budget():
+                r = bench_kda_core(prefill_lengths[-1], max(3, reps // 5), seed=5)
+                results["kda_core"] = r
+                print("kda core:", r, flush=True)
+                save()
             if "decode" in sections:
                 for batch in (1, 8):
                     if over_budget():
@@ -485,21 +587,12 @@ def main(argv=None):
                           f"{r['floor_ms']:.1f}), ref {r.get('reference_tok_s', float('nan')):.0f} tok/s", flush=True)
                     save()
             if kind == "kda" and not over_budget():
-                r = bench_expert_gemms(text, layer, prefill_lengths[-1], ceil, max(3, reps // 5), seed=7,
-                                       configs=PREFILL_VARIANTS if "sweep" in sections else None)
+                r = bench_expert_gemms(text, layer, prefill_lengths[-1], ceil, max(3, reps // 5), seed=7)
                 results["expert_gemms_8k"] = r
-                print("expert GEMMs 8k:", {k: (round(v["TFLOPs"], 1) if isinstance(v, dict) and "TFLOPs" in v else v)
-                                           for k, v in r.items()}, flush=True)
+                print("expert GEMMs 8k (chosen config):", {k: (round(v["TFLOPs"], 1) if isinstance(v, dict) and
+                                                                "TFLOPs" in v else v) for k, v in r.items()},
+                      flush=True)
                 save()
-                if "sweep" in sections:
-                    for batch in (1, 8):
-                        if over_budget():
-                            break
-                        r = sweep_decode(text, layer, batch, ceil, reps, seed=11 + batch, configs=DECODE_VARIANTS)
-                        results[f"mxfp4_decode_sweep_b{batch}"] = r
-                        print(f"decode sweep b{batch}:", {k: (round(v["graph_ms"], 4) if isinstance(v, dict) and
-                                                              "graph_ms" in v else v) for k, v in r.items()}, flush=True)
-                        save()
             del layer
         except Exception:
             entry["error"] = traceback.format_exc()[-3000:]
@@ -560,6 +653,26 @@ def print_summary(results):
             elif key.startswith("prefill_"):
                 print(f"{kind} {key}: fast {r['fast_tok_s']:.0f} tok/s ({r['fast_fraction_of_floor']:.0%} of floor"
                       f" {r['floor_ms']:.1f} ms) | reference {r.get('reference_tok_s', float('nan')):.0f} tok/s")
+    for batch in (1, 8):
+        sweep = results.get(f"mxfp4_decode_sweep_b{batch}")
+        if sweep:
+            print(f"MXFP4 routed experts alone, decode b{batch} ({sweep['unique_experts']} experts, floor "
+                  f"{sweep['floor_ms']:.3f} ms), CUDA graph:")
+            for name, v in sweep.items():
+                if isinstance(v, dict):
+                    print(f"   {name}: " + (f"{v['graph_ms']:.3f} ms = {v['x_floor']:.2f}x floor, rel err "
+                                            f"{v['rel_err']:.1e}" if "graph_ms" in v else v.get("error", "")[:200]))
+    sweep = results.get("mxfp4_prefill_sweep")
+    if sweep:
+        print(f"MXFP4 routed experts alone, prefill {sweep['tokens']} tokens ({sweep['pairs']} pairs):")
+        for name, v in sweep.items():
+            if isinstance(v, dict):
+                print(f"   {name}: " + (f"{v['ms']:.2f} ms = {v['TFLOPs']:.0f} TFLOP/s = {v['fraction_of_bf16_peak']:.0%}"
+                                        f" of bf16, rel err {v.get('rel_err', float('nan')):.1e}" if "ms" in v
+                                        else v.get("error", "")[:200]))
+    for key in ("chosen_decode_config", "chosen_prefill_config", "kda_core"):
+        if key in results:
+            print(f"{key}: {results[key]}")
     g = results.get("expert_gemms_8k")
     if g:
         for name, v in g.items():

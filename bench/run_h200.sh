@@ -16,8 +16,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -rA -s -p no:cacheprovider tests/test_gpu_paths.py \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"
-    grep -E "greedy:|passed|failed|FAILED|ERROR|Error" "$OUT/gpu_tests.log" | tail -30
+    grep -E "greedy:|kda T=|mxfp4 |passed|failed|FAILED|ERROR|Error" "$OUT/gpu_tests.log" | tail -40
 fi
 budget=${BENCH_BUDGET:-150}
 timeout $((budget + 60)) python3 bench/layer.py --budget-s "$budget" --out "$OUT/layer_h200.json" ${BENCH_ARGS:-} \
-    2>&1 | tee "$OUT/bench.log" | grep -vE "^\[|^expert GEMMs|^decode sweep"
+    > "$OUT/bench.log" 2>&1
+echo "bench exit $?"
+sed -n '/=== one layer/,$p' "$OUT/bench.log"
+grep -E "Error|error|Traceback" "$OUT/bench.log" | head -20
