@@ -37,9 +37,11 @@ ENABLED = True
 # Kernel configurations: decode (few pairs) and prefill (many). Each entry: BM, and BN, BK, num_warps, num_stages
 # for the w13 and the w2 kernel (BM must agree between the two: they share the routing metadata); optional keys
 # "upcast", "atomic", "fast_math" override the module defaults below for that regime.
+# The defaults are the fastest correct variants of bench/layer.py's sweep on an H200 (bench/results/layer_h200.*):
+# tl.dot_scaled with fast_math beat the inline-PTX upcasts there, at decode and at prefill.
 CONFIGS = {
-    "decode": dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4)),
-    "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3)),
+    "decode": dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4), upcast="dot_scaled", fast_math=True),
+    "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3), upcast="dot_scaled", fast_math=True),
 }
 # Pairs per expert (on average) at or below which the decode configuration is used.
 DECODE_MAX_PAIRS_PER_EXPERT = 4
@@ -48,7 +50,9 @@ DECODE_MAX_PAIRS_PER_EXPERT = 4
 ATOMIC_COMBINE = False
 # How the nibbles become bf16 MMA operands: "dot_scaled" (tl.dot_scaled: Triton's own upcast), "asm" (packed
 # inline-PTX conversion, one scale group at a time, then tl.dot), "asm_swap" (the same with weights as the MMA's
-# wide operand, for decode) or "manual" (fp32 dequant arithmetic, then tl.dot; what the Triton interpreter runs). FAST_MATH is dot_scaled's flag (skips NaN propagation of the scales).
+# wide operand, for decode) or "manual" (fp32 dequant arithmetic, then tl.dot; what the Triton interpreter runs).
+# FAST_MATH is dot_scaled's flag: it skips the NaN handling of E8M0 code 255, which no valid pack holds
+# (mxfp4.check_weight refuses weights that would need it). CONFIGS entries override both.
 UPCAST = "dot_scaled"
 FAST_MATH = False
 _UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3}

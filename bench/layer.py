@@ -227,7 +227,8 @@ def bench_decode(text, layer, batch, ceil, reps, seed):
             fast_out = step()
             unique = recorder.unique()
             res["unique_experts"] = unique
-            res["fast_vs_reference_rel_err"] = float((fast_out.float() - ref_out.float()).norm() / ref_out.float().norm())
+            diff = (fast_out.float() - ref_out.float()).norm()
+            res["fast_vs_reference_rel_err"] = float(diff / ref_out.float().norm())
             res["fast_eager_ms"] = time_ms(step, reps, setup=reset)
             floor_bytes = non_expert_bytes(layer) + unique * expert_bytes(layer) + state_bytes
             res["floor_bytes"] = floor_bytes
@@ -572,7 +573,8 @@ def main(argv=None):
                     r = bench_decode(text, layer, batch, ceil, reps, seed=batch)
                     entry[f"decode_b{batch}"] = r
                     print(f"[{kind}] decode b{batch}: fast {r.get('fast_graph_ms', float('nan')):.3f} ms graph / "
-                          f"{r['fast_eager_ms']:.3f} eager, floor {r['floor_ms']:.3f}, ref {r['reference_eager_ms']:.2f};"
+                          f"{r['fast_eager_ms']:.3f} eager, floor {r['floor_ms']:.3f}, "
+                          f"ref {r['reference_eager_ms']:.2f};"
                           f" moe {r['moe'].get('fast_graph_ms', float('nan')):.3f} vs floor {r['moe']['floor_ms']:.3f}"
                           f" ({r['moe']['x_floor']:.2f}x)", flush=True)
                     save()
@@ -647,7 +649,8 @@ def print_summary(results):
             if key.startswith("decode_b"):
                 print(f"{kind} {key}: graph {r.get('fast_graph_ms', float('nan')):.3f} ms | eager "
                       f"{r['fast_eager_ms']:.3f} | reference {r['reference_eager_ms']:.2f} | floor {r['floor_ms']:.3f}"
-                      f" ({r.get('graph_fraction_of_floor', float('nan')):.0%} of floor) | experts {r['unique_experts']}"
+                      f" ({r.get('graph_fraction_of_floor', float('nan')):.0%} of floor)"
+                      f" | experts {r['unique_experts']}"
                       f" | moe {r['moe'].get('fast_graph_ms', float('nan')):.3f} vs {r['moe']['floor_ms']:.3f}"
                       f" = {r['moe']['x_floor']:.2f}x floor")
             elif key.startswith("prefill_"):
@@ -667,7 +670,8 @@ def print_summary(results):
         print(f"MXFP4 routed experts alone, prefill {sweep['tokens']} tokens ({sweep['pairs']} pairs):")
         for name, v in sweep.items():
             if isinstance(v, dict):
-                print(f"   {name}: " + (f"{v['ms']:.2f} ms = {v['TFLOPs']:.0f} TFLOP/s = {v['fraction_of_bf16_peak']:.0%}"
+                print(f"   {name}: " + (f"{v['ms']:.2f} ms = {v['TFLOPs']:.0f} TFLOP/s = "
+                                        f"{v['fraction_of_bf16_peak']:.0%}"
                                         f" of bf16, rel err {v.get('rel_err', float('nan')):.1e}" if "ms" in v
                                         else v.get("error", "")[:200]))
     for key in ("chosen_decode_config", "chosen_prefill_config", "kda_core"):
