@@ -53,7 +53,7 @@ def recurrent_kda(q, k, v, g, beta, scale, initial_state=None):
     return torch.stack(outputs, dim=1), state
 
 
-def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=64):
+def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
     """Chunked KDA, exact in real arithmetic to `recurrent_kda`; any length (the last chunk may be short).
 
     Within a chunk starting from state S0, with G_t the cumulative log-decay up to t, the corrections
@@ -61,7 +61,8 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=64):
     (I + diag(beta) A) Delta = diag(beta) (V - (K * e^G) S0),  A[t, s] = k_t . (e^{G_t - G_s} * k_s) for s < t,
     then O = (Q * e^G) S0 + B Delta with B[t, s] = q_t . (e^{G_t - G_s} * k_s) for s <= t, and the chunk's final
     state is e^{G_C} * S0 + (K * e^{G_C - G})^T Delta. Decay differences are only taken with s <= t, so every
-    exponent is <= 0 and nothing overflows.
+    exponent is <= 0 and nothing overflows. The pairwise decays cost C x C x K a chunk: chunks of 16 keep them in
+    cache on a CPU (measured ~10x faster than 64 on the demo's shapes).
     """
     dtype = _compute_dtype(q)
     q, k, v, g, beta = (t.to(dtype).transpose(1, 2) for t in (q, k, v, g, beta))  # [B, H, T, ...]

@@ -398,12 +398,26 @@ class KimiK3LatentMoE(nn.Module):
         fast = _fast_path("mxfp4") if x.is_cuda and isinstance(self.experts[0].w1, MXFP4Linear) else None
         y = fast(self, z, ids, weights) if fast is not None else None  # Triton MXFP4 kernels, or None
         if y is None:
-            y = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-            for e in ids.unique().tolist():
-                token, slot = (ids == e).nonzero(as_tuple=True)
-                y.index_add_(0, token, self.experts[e](z[token]).float() * weights[token, slot, None])
+            y = self.routed_experts(z, ids, weights)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y.to(z.dtype)))
         return (y + self.shared_experts(flat)).view(shape)
+
+    def routed_experts(self, z, ids, weights):
+        """Reference expert sum `sum_k w_k expert_k(z)` in fp32: (token, slot) pairs are sorted by expert so each
+        expert runs once on one contiguous slice, and the weighted outputs are scattered back in a single add."""
+        top_k = ids.shape[1]
+        order = ids.flatten().argsort(stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
+        token = order // top_k
+        routed = z[token]
+        out = torch.empty(routed.shape, dtype=torch.float32, device=z.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                out[start : start + count] = self.experts[e](routed[start : start + count]).float()
+                start += count
+        out *= weights.flatten()[order, None]
+        return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add_(0, token, out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
