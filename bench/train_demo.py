@@ -1,0 +1,591 @@
+"""Train the small Kimi K3 demo checkpoint (issue 5) and package it as `demo/parent/`.
+
+    python bench/train_demo.py bench   --data data [--batches 8,16,32] [--moe stock,grouped]   # GPU: tokens/s
+    python bench/train_demo.py train   --data data --out OUT [--seconds 480] [--batch 32]      # GPU: train
+    python bench/train_demo.py package OUT --data data [--dst demo/parent]                      # CPU: release dir
+    python bench/train_demo.py sync-code [demo/parent]                                          # CPU: code files
+
+The corpus comes from `bench/prepare_corpus.py` (uint16 token ids + tiktoken.model in data/). The shipped demo:
+
+    python bench/prepare_corpus.py                                   # CPU, ~30 s; data/ is git-ignored
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python bench/train_demo.py train --out OUT --seconds 500 --batch 48 --moe grouped   # one H200
+    python bench/train_demo.py package OUT                           # CPU -> demo/parent
+    python bench/eval_demo.py                                        # CPU: held-out perplexity, completions
+
+(994 steps of 48 x 512 tokens, 24.4M tokens in 438 s, ~55.7k tokens/s, peak 72.5 GiB; OUT/train_log.json is
+copied into the demo directory.)
+
+Shape (`demo_config`): the parent's ratios at toy size. hidden 256, 8 layers, every 4th MLA (1-based
+full_attn_layers [4, 8]), attn_res_block_size 4 (two blocks), layer 0 dense (intermediate 1216 ~ 4.7 H), 56 routed
+experts top-4 in a latent of 128 (= H / 2) with moe_intermediate 128, 2 shared experts, KDA and MLA with 4 heads
+(KDA head_dim 64; MLA nope 64 / rope 32 / v 64, q_lora 96, kv_lora 64), vocab = BPE ranks + 256 K3 specials.
+
+Training runs the model's own bf16-expert mode (config without quantization_config): bf16 parameters (A_log,
+dt_bias and the router bias stay fp32, as the model keeps them), fp32 master weights in a fused AdamW, one sequence
+length (512), 3/4 of each batch from Python source and 1/4 from prose. The router bias gets no gradient (noaux_tc);
+it is updated after each step by the aux-loss-free rule (bias += u * sign(mean load - expert load)). The learning
+rate warms up over 40 steps, then the step time is measured and the run is sized to `--seconds`, cosine-decaying to
+10%. `--moe grouped` swaps, for training only, the expert loop of `KimiK3LatentMoE.forward` for one padded batched
+matmul over stacked expert weights (same math, same parameters; `tests/test_demo.py` checks it against the stock
+forward); the shipped checkpoint runs the stock model code.
+
+`train` writes into OUT: config.json (bf16 experts), weights-NN.safetensors (the state dict in pieces under 15 MiB)
+and train_log.json. `package` rebuilds the model from them, saves it with save_pretrained, converts the routed
+experts to MXFP4 with `python -m reap_tools quantize` (compressed-tensors' compressor), and adds the tokenizer files
+and the remote-code files (byte copies of the root ones, `copy_remote_code`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3LatentMoE, KimiK3Router, situ_glu  # noqa: E402
+from reap_tools.tiny import MODEL_CODE  # noqa: E402
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModel": "modeling_kimi_k3.KimiK3Model",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+}
+# Every file the demo directory shares with the repository root, as byte copies (tests/test_demo.py checks them):
+# the model's remote code (reap_tools.tiny.MODEL_CODE, kept by the model engineer) and the tokenizer's files.
+TOKENIZER_CODE = ("tokenization_kimi_k3.py", "kimi_k3_parsing.py", "chat_template.jinja")
+REMOTE_CODE = tuple(MODEL_CODE) + TOKENIZER_CODE
+FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
+NUM_SPECIALS = 256
+SEQ_LEN = 512
+CODE_SHARE = 0.75
+PART_BYTES = 15 << 20
+
+DEMO_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=1216,
+    num_hidden_layers=8,
+    num_experts=56,
+    num_experts_per_token=4,
+    num_shared_experts=2,
+    moe_intermediate_size=128,
+    routed_expert_hidden_size=128,
+    attn_res_block_size=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    linear_attn_config=dict(
+        num_heads=4,
+        head_dim=64,
+        short_conv_kernel_size=4,
+        use_full_rank_gate=True,
+        gate_lower_bound=-5.0,
+        full_attn_layers=[4, 8],
+        kda_layers=[1, 2, 3, 5, 6, 7],
+    ),
+    max_position_embeddings=131072,
+    first_k_dense_replace=1,
+    initializer_range=0.02,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config and remote code
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def demo_config(num_ranks: int) -> KimiK3Config:
+    """The demo's config for a vocabulary of `num_ranks` BPE ranks (+ 256 specials), routed experts in bf16."""
+    ids = dict(bos_token_id=num_ranks, eos_token_id=num_ranks + 2, pad_token_id=num_ranks + NUM_SPECIALS - 1)
+    text = dict(DEMO_SHAPE, vocab_size=num_ranks + NUM_SPECIALS, **ids)
+    return KimiK3Config(text_config=text, quantization_config=None, auto_map=dict(AUTO_MAP), **ids)
+
+
+def copy_remote_code(dst: str | os.PathLike, git_ref: str | None = None) -> list[str]:
+    """Byte-copy the root's remote-code files (model, tokenizer, chat template) into `dst`; returns the names.
+
+    With `git_ref` (e.g. "HEAD") the files are taken as committed there rather than from the working tree.
+    """
+    dst = Path(dst)
+    for name in REMOTE_CODE:
+        if git_ref:
+            data = subprocess.run(["git", "show", f"{git_ref}:{name}"], cwd=ROOT, check=True, capture_output=True)
+            (dst / name).write_bytes(data.stdout)
+        else:
+            shutil.copyfile(ROOT / name, dst / name)
+    for stale in dst.glob("*.py"):
+        if stale.name not in REMOTE_CODE:
+            stale.unlink()
+    return list(REMOTE_CODE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training-only grouped MoE (same math as KimiK3LatentMoE.forward)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def grouped_moe_forward(self, x):
+    """`KimiK3LatentMoE.forward` with the per-expert loop replaced by one padded batched matmul.
+
+    Tokens are sorted by expert and laid out as [E, capacity, L] (zeros past each expert's count), the expert
+    weights are stacked to [E, out, in], and each expert output row is weighted and summed back in fp32 exactly as
+    the stock loop does (`index_add_` of `expert(z) * weight`). Padding rows never reach the output.
+    """
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    ids, weights = self.gate(flat)
+    z = self.routed_expert_down_proj(flat)
+    n, k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    token = order // k
+    counts = torch.bincount(flat_ids, minlength=self.num_experts)
+    capacity = int(counts.max())
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(n * k, device=x.device) - starts[sorted_ids]
+    buf = z.new_zeros(self.num_experts, capacity, z.shape[-1])
+    buf[sorted_ids, slot] = z[token]
+    w1 = torch.stack([e.w1.weight for e in self.experts])  # [E, I, L]
+    w3 = torch.stack([e.w3.weight for e in self.experts])
+    w2 = torch.stack([e.w2.weight for e in self.experts])  # [E, L, I]
+    first = self.experts[0]
+    act = situ_glu(torch.bmm(buf, w1.transpose(1, 2)), torch.bmm(buf, w3.transpose(1, 2)), first.beta,
+                   first.linear_beta)
+    out = torch.bmm(act, w2.transpose(1, 2))[sorted_ids, slot]
+    y = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    y.index_add_(0, token, out.float() * weights.reshape(-1)[order, None])
+    y = self.routed_expert_up_proj(self.routed_expert_norm(y.to(z.dtype)))
+    return (y + self.shared_experts(flat)).view(shape)
+
+
+def use_moe(kind: str):
+    """Select the LatentMoE forward used for training: 'stock' (the model file's) or 'grouped'."""
+    if not hasattr(KimiK3LatentMoE, "_stock_forward"):
+        KimiK3LatentMoE._stock_forward = KimiK3LatentMoE.forward
+    KimiK3LatentMoE.forward = grouped_moe_forward if kind == "grouped" else KimiK3LatentMoE._stock_forward
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_corpus(data: Path, device) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.from_numpy(np.load(data / f"{name}.npy").astype(np.int64)).to(device)
+        for name in ("train_code", "train_prose", "val_code", "val_prose")
+    }
+
+
+def sample_batch(corpus, batch: int, generator, seq_len=SEQ_LEN) -> torch.Tensor:
+    """`batch` random windows: round(CODE_SHARE * batch) from code, the rest from prose."""
+    n_code = round(CODE_SHARE * batch)
+    rows = []
+    for name, n in (("train_code", n_code), ("train_prose", batch - n_code)):
+        if n == 0:
+            continue
+        data = corpus[name]
+        starts = torch.randint(0, data.numel() - seq_len, (n,), generator=generator, device="cpu").to(data.device)
+        rows.append(data[starts[:, None] + torch.arange(seq_len, device=data.device)])
+    return torch.cat(rows)
+
+
+def fixed_windows(data: torch.Tensor, count: int, seq_len=SEQ_LEN) -> torch.Tensor:
+    """`count` non-overlapping windows spread evenly over `data` (deterministic)."""
+    count = min(count, data.numel() // seq_len)
+    step = (data.numel() - seq_len) // max(1, count - 1)
+    starts = torch.arange(count, device=data.device) * step
+    return data[starts[:, None] + torch.arange(seq_len, device=data.device)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model, optimizer, balancing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build(config, device, seed=0):
+    """The model in bf16 (fp32 for FP32_PARAMS) and fp32 master copies of the trained parameters."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = KimiK3ForCausalLM(config)
+    model.train()
+    for name, param in model.named_parameters():
+        if not name.endswith(FP32_PARAMS):
+            param.data = param.data.to(torch.bfloat16)
+    named = [(n, p) for n, p in model.named_parameters() if not n.endswith("e_score_correction_bias")]
+    masters = [p.detach().float().clone() for _, p in named]
+    decay = [m for (n, p), m in zip(named, masters) if p.ndim == 2 and "_res_proj" not in n]
+    no_decay = [m for (n, p), m in zip(named, masters) if not (p.ndim == 2 and "_res_proj" not in n)]
+    return model, named, masters, decay, no_decay
+
+
+class Balancer:
+    """Aux-loss-free balancing of the noaux_tc router: records each router's choices, nudges its bias."""
+
+    def __init__(self, model, rate=1e-3):
+        self.rate = rate
+        self.routers = [m for m in model.modules() if isinstance(m, KimiK3Router)]
+        self.counts = [None] * len(self.routers)
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def hook(module, inputs, output):
+            if module.training:
+                c = torch.bincount(output[0].reshape(-1), minlength=module.weight.shape[0])
+                self.counts[i] = c if self.counts[i] is None else self.counts[i] + c
+
+        return hook
+
+    @torch.no_grad()
+    def step(self):
+        """Apply one bias update; returns max/mean expert load over the layers (1.0 = perfectly balanced)."""
+        worst = 0.0
+        for router, c in zip(self.routers, self.counts):
+            if c is None:
+                continue
+            c = c.float()
+            router.e_score_correction_bias.add_(self.rate * torch.sign(c.mean() - c))
+            worst = max(worst, float(c.max() / c.mean()))
+        self.counts = [None] * len(self.routers)
+        return worst
+
+
+def lr_at(step, total, peak, warmup=40, floor=0.1):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_step(model, named, masters, optimizer, balancer, batch_ids, micro, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    total = 0.0
+    chunks = batch_ids.split(micro)
+    for chunk in chunks:
+        loss = model(chunk, labels=chunk).loss / len(chunks)
+        loss.backward()
+        total += float(loss.detach())
+    with torch.no_grad():
+        for (_, p), m in zip(named, masters):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        norm = torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for (_, p), m in zip(named, masters):
+            p.copy_(m)
+    load = balancer.step()
+    return total, float(norm), load
+
+
+@torch.no_grad()
+def eval_loss(model, windows, micro=16):
+    model.eval()
+    losses = [float(model(w, labels=w).loss) for w in windows.split(micro)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def save_parts(model, out: Path):
+    """The state dict as weights-NN.safetensors files of at most PART_BYTES each (tensors in name order)."""
+    from safetensors.torch import save_file
+
+    for old in out.glob("weights-*.safetensors"):
+        old.unlink()
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    parts, current, size = [], {}, 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if current and size + nbytes > PART_BYTES:
+            parts.append(current)
+            current, size = {}, 0
+        current[name] = state[name]
+        size += nbytes
+    parts.append(current)
+    for i, part in enumerate(parts):
+        save_file(part, str(out / f"weights-{i:02d}.safetensors"))
+    return len(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_gib(device):
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+
+
+def _num_ranks(data: Path) -> int:
+    from tokenization_kimi_k3 import load_rank_file
+
+    return len(load_rank_file(data / "tiktoken.model"))
+
+
+def cmd_bench(args):
+    """Tokens/s and peak memory of a full training step (fwd + bwd + AdamW) per batch size and MoE variant."""
+    device = args.device
+    data = Path(args.data)
+    corpus = load_corpus(data, device)
+    config = demo_config(_num_ranks(data))
+    results = []
+    for kind in args.moe.split(","):
+        use_moe(kind)
+        model, named, masters, decay, no_decay = build(config, device)
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0}],
+                                      lr=1e-3, betas=(0.9, 0.95), fused=True)
+        balancer = Balancer(model)
+        gen = torch.Generator().manual_seed(0)
+        for batch in map(int, args.batches.split(",")):
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                times = []
+                for i in range(args.steps):
+                    ids = sample_batch(corpus, batch, gen)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    loss, _, _ = train_step(model, named, masters, optimizer, balancer, ids, batch, 1e-3)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                step = sorted(times[1:])[len(times[1:]) // 2]
+                row = dict(moe=kind, batch=batch, step_s=round(step, 4), tok_s=round(batch * SEQ_LEN / step),
+                           peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1), loss=round(loss, 3))
+            except torch.OutOfMemoryError:
+                row = dict(moe=kind, batch=batch, oom=True)
+                torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        del model, masters, optimizer
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def cmd_train(args):
+    started = time.time()
+    device = args.device
+    torch.backends.cuda.matmul.allow_tf32 = True
+    data, out = Path(args.data), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    use_moe(args.moe)
+    corpus = load_corpus(data, device)
+    config = demo_config(_num_ranks(data))
+    model, named, masters, decay, no_decay = build(config, device, seed=args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    print(f"params {n_params / 1e6:.2f}M ({n_experts / 1e6:.2f}M routed experts); moe={args.moe}; batch={args.batch}"
+          f" x {SEQ_LEN}; budget {args.seconds}s", flush=True)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    balancer = Balancer(model, rate=args.bias_rate)
+    gen = torch.Generator().manual_seed(args.seed)
+    val = {name: fixed_windows(corpus[name], args.val_windows) for name in ("val_code", "val_prose")}
+    config.save_pretrained(out)  # config.json, bf16 experts (no quantization_config)
+    options = {k: v for k, v in vars(args).items() if k != "func"}
+    log = dict(args=options, params=n_params, routed_expert_params=n_experts, seq_len=SEQ_LEN, steps=[], val=[])
+
+    def write_log(**extra):
+        log.update(extra)
+        (out / "train_log.json").write_text(json.dumps(log, indent=1))
+
+    total_steps = args.max_steps or 10**9
+    step, t_train, tokens, last_save = 0, time.time(), 0, time.time()
+    calib_from = None
+    micro = args.micro or args.batch
+    while step < total_steps:
+        lr = lr_at(step, total_steps if total_steps < 10**9 else 10**6, args.lr)
+        ids = sample_batch(corpus, args.batch, gen)
+        try:
+            loss, norm, load = train_step(model, named, masters, optimizer, balancer, ids, micro, lr)
+        except torch.OutOfMemoryError:  # routing imbalance can grow the grouped expert buffers: accumulate instead
+            model.zero_grad(set_to_none=True)
+            balancer.counts = [None] * len(balancer.routers)
+            torch.cuda.empty_cache()
+            if micro == 1:
+                raise
+            micro = max(1, micro // 2)
+            print(f"out of memory at step {step + 1}: micro-batch {micro} from now on", flush=True)
+            log.setdefault("oom_at_steps", []).append(step + 1)
+            continue
+        step += 1
+        tokens += ids.numel()
+        elapsed = time.time() - t_train
+        if step == 5:
+            _sync(device)
+            calib_from = (step, time.time())
+        if step == 25 and not args.max_steps:
+            _sync(device)
+            per_step = (time.time() - calib_from[1]) / (step - calib_from[0])
+            left = args.seconds - (time.time() - started)
+            total_steps = step + max(1, int(left / per_step * 0.97))
+            print(f"step time {per_step:.3f}s -> {total_steps} steps in total", flush=True)
+            log["step_time_s"] = per_step
+            log["total_steps"] = total_steps
+        log["steps"].append(dict(step=step, loss=round(loss, 4), lr=lr, grad_norm=round(norm, 3),
+                                 max_load=round(load, 2), t=round(elapsed, 1)))
+        if step % args.log_every == 0 or step == 1:
+            print(f"step {step} loss {loss:.4f} lr {lr:.2e} gnorm {norm:.2f} max/mean load {load:.2f} "
+                  f"{tokens / elapsed:.0f} tok/s {elapsed:.0f}s mem {_peak_gib(device):.1f}G",
+                  flush=True)
+        if step % args.eval_every == 0:
+            v = {name: eval_loss(model, w) for name, w in val.items()}
+            log["val"].append(dict(step=step, **{k: round(x, 4) for k, x in v.items()}))
+            print(f"  val {v}", flush=True)
+        if time.time() - last_save > args.save_every:
+            save_parts(model, out)
+            write_log(tokens=tokens, train_seconds=time.time() - t_train, finished=False)
+            last_save = time.time()
+        if time.time() - started > args.seconds + 30:  # hard stop if the estimate was off
+            break
+    _sync(device)
+    train_seconds = time.time() - t_train
+    v = {name: eval_loss(model, w) for name, w in val.items()}
+    log["val"].append(dict(step=step, **{k: round(x, 4) for k, x in v.items()}))
+    recent = [s["loss"] for s in log["steps"][-20:]]
+    parts = save_parts(model, out)
+    write_log(tokens=tokens, train_seconds=train_seconds, tokens_per_second=tokens / train_seconds, final_steps=step,
+              final_train_loss=sum(recent) / len(recent), final_val=v, finished=True, parts=parts,
+              peak_gib=_peak_gib(device), device=torch.cuda.get_device_name() if device == "cuda" else device,
+              torch=torch.__version__, wall_seconds=time.time() - started)
+    print(f"done: {step} steps, {tokens} tokens in {train_seconds:.0f}s ({tokens / train_seconds:.0f} tok/s); "
+          f"train loss (last 20) {sum(recent) / len(recent):.4f}; val {v}; {parts} weight parts", flush=True)
+    return 0
+
+
+def cmd_package(args):
+    """OUT of `train` -> the release-layout MXFP4 demo directory `--dst`."""
+    from safetensors.torch import load_file
+
+    from tokenization_kimi_k3 import write_tokenizer_files
+
+    src, data, dst = Path(args.src), Path(args.data), Path(args.dst)
+    if dst.exists():
+        raise SystemExit(f"{dst} exists; remove it first")
+    config = KimiK3Config.from_pretrained(src)
+    if config.experts_packed or config.text_config.vocab_size != _num_ranks(data) + NUM_SPECIALS:
+        raise SystemExit(f"{src}/config.json: expected bf16 experts and the vocabulary of {data}/tiktoken.model")
+    state = {}
+    for part in sorted(src.glob("weights-*.safetensors")):
+        state.update(load_file(str(part)))
+    model = KimiK3ForCausalLM(config)
+    for name, param in model.named_parameters():
+        if not name.endswith(FP32_PARAMS):
+            param.data = param.data.to(torch.bfloat16)
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if name in expected and expected[name].dtype != tensor.dtype:
+            raise SystemExit(f"{name}: trained as {tensor.dtype}, model keeps {expected[name].dtype}")
+    model.load_state_dict(state, strict=True)
+    model.config.auto_map = dict(AUTO_MAP)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=dst.parent))
+    try:
+        bf16 = tmp / "bf16"
+        model.save_pretrained(bf16)
+        write_tokenizer_files(bf16, data / "tiktoken.model")
+        copy_remote_code(bf16)
+        log = src / "train_log.json"
+        if log.is_file():
+            shutil.copyfile(log, bf16 / "train_log.json")
+        subprocess.run([sys.executable, "-m", "reap_tools", "quantize", str(bf16), str(tmp / "mxfp4")], cwd=ROOT,
+                       check=True)
+        if args.keep_bf16:
+            keep = Path(args.keep_bf16)
+            if keep.exists():
+                shutil.rmtree(keep)
+            shutil.copytree(bf16, keep)
+        os.chmod(tmp / "mxfp4", 0o755)
+        os.rename(tmp / "mxfp4", dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = sum(f.stat().st_size for f in dst.iterdir())
+    print(f"wrote {dst} ({size / 1e6:.1f} MB)")
+    return 0
+
+
+def cmd_sync_code(args):
+    """Refresh a demo directory after the root code changed: tokenizer_config.json (chat template, specials) is
+    rewritten for its own tiktoken.model, and the remote-code files are copied again."""
+    from tokenization_kimi_k3 import write_tokenizer_files
+
+    dst = Path(args.dst)
+    write_tokenizer_files(dst, dst / "tiktoken.model")
+    names = copy_remote_code(dst, args.git_ref)
+    source = f"as committed at {args.git_ref}" if args.git_ref else "from the working tree"
+    print(f"rewrote tokenizer_config.json and copied {', '.join(names)} ({source}) into {dst}")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("bench")
+    p.add_argument("--data", default=str(ROOT / "data"))
+    p.add_argument("--batches", default="8,16,32")
+    p.add_argument("--moe", default="stock,grouped")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda")
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("train")
+    p.add_argument("--data", default=str(ROOT / "data"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seconds", type=float, default=480, help="wall-clock budget from start to the last step")
+    p.add_argument("--max-steps", type=int, default=0, help="fixed step count instead of the time budget")
+    p.add_argument("--batch", type=int, default=32, help="sequences of 512 tokens per optimizer step")
+    p.add_argument("--micro", type=int, default=0, help="micro-batch (gradient accumulation); default = batch")
+    p.add_argument("--moe", choices=("stock", "grouped"), default="grouped")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--bias-rate", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-windows", type=int, default=32)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--save-every", type=float, default=150)
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("package")
+    p.add_argument("src", help="the OUT folder of `train`")
+    p.add_argument("--data", default=str(ROOT / "data"))
+    p.add_argument("--dst", default=str(ROOT / "demo" / "parent"))
+    p.add_argument("--keep-bf16", default=None, help="also keep the bf16 checkpoint here")
+    p.set_defaults(func=cmd_package)
+    p = sub.add_parser("sync-code")
+    p.add_argument("dst", nargs="?", default=str(ROOT / "demo" / "parent"))
+    p.add_argument("--git-ref", default=None, help='copy the files as committed at this ref (e.g. "HEAD")')
+    p.set_defaults(func=cmd_sync_code)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

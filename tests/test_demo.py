@@ -1,0 +1,163 @@
+"""The shipped trained demo `demo/parent/` (issue 5): layout, code identity, loading, and code-like greedy output.
+
+The completion check uses the prompts and the cut rule of `bench/eval_demo.py` (see its docstring): the model loaded
+in float32 (so transformers 4.57 and 5.x decode alike), greedy, 64 new tokens each, the text cut at the end of the
+prompt's top-level statement (first column-0 line after the prompt, else the last complete line), then
+`ast.parse`. At least 3 of the 5 must parse.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from reap_tools.tiny import MODEL_CODE
+from tokenization_kimi_k3 import load_rank_file, tokenizer_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "demo" / "parent"
+# The remote-code files the demo must carry as byte copies of the root: the model's (reap_tools.tiny.MODEL_CODE)
+# and the tokenizer's.
+SHARED_FILES = tuple(MODEL_CODE) + ("tokenization_kimi_k3.py", "kimi_k3_parsing.py", "chat_template.jinja")
+SYNC = "python bench/train_demo.py sync-code"
+
+
+def _bench(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def eval_demo():
+    return _bench("eval_demo")
+
+
+@pytest.fixture(scope="module")
+def loaded(eval_demo):
+    return eval_demo.load(DEMO, torch.float32)
+
+
+@pytest.mark.parametrize("name", SHARED_FILES)
+def test_demo_code_is_a_byte_copy_of_the_root(name):
+    root, demo = ROOT / name, DEMO / name
+    assert root.is_file(), f"{name} missing at the repository root"
+    assert demo.is_file(), f"{demo} missing: run `{SYNC}`"
+    assert demo.read_bytes() == root.read_bytes(), f"{demo} differs from the root: run `{SYNC}`"
+
+
+def test_every_python_file_of_the_demo_is_a_root_copy():
+    names = {p.name for p in DEMO.glob("*.py")}
+    assert names == {n for n in SHARED_FILES if n.endswith(".py")}, f"run `{SYNC}`"
+
+
+def test_sync_code_lists_the_same_files():
+    assert tuple(_bench("train_demo").REMOTE_CODE) == SHARED_FILES
+
+
+def test_release_layout_and_size():
+    config = json.loads((DEMO / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForCausalLM"
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    text = config["text_config"]
+    assert text["model_type"] == "kimi_linear"
+    assert text["num_experts"] == 56 and text["num_experts_per_token"] == 4 and text["num_shared_experts"] == 2
+    assert text["routed_expert_hidden_size"] * 2 == text["hidden_size"]
+    assert text["moe_intermediate_size"] % 32 == 0
+    assert text["attn_res_block_size"] == 4
+    assert text["linear_attn_config"]["full_attn_layers"] == [4, 8]
+    tokenizer = json.loads((DEMO / "tokenizer_config.json").read_text())
+    assert tokenizer["auto_map"]["AutoTokenizer"][0] == "tokenization_kimi_k3.KimiK3Tokenizer"
+    ranks = len(load_rank_file(DEMO / "tiktoken.model"))
+    assert tokenizer == json.loads(json.dumps(tokenizer_config(ranks))), f"stale tokenizer_config.json: run `{SYNC}`"
+    assert text["vocab_size"] == ranks + 256
+    assert sum(p.stat().st_size for p in DEMO.iterdir()) < 30e6
+
+
+def test_routed_experts_are_mxfp4_and_the_rest_bf16():
+    from safetensors import safe_open
+
+    dtypes = {}
+    for shard in DEMO.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():
+                dtypes[key] = f.get_slice(key).get_dtype()
+    experts = {k: v for k, v in dtypes.items() if ".experts." in k}
+    assert experts and all(k.endswith((".weight_packed", ".weight_scale")) and v == "U8" for k, v in experts.items())
+    fp32 = ("A_log", "dt_bias", "e_score_correction_bias")
+    for key, dtype in dtypes.items():
+        if ".experts." not in key:
+            assert dtype == ("F32" if key.endswith(fp32) else "BF16"), key
+
+
+def test_loads_with_auto_model(loaded):
+    model, tokenizer = loaded
+    assert type(model).__name__ == "KimiK3ForCausalLM"
+    assert model.config.experts_packed
+    assert tokenizer.vocab_size == model.config.text_config.vocab_size
+
+
+def test_text_generation_pipeline():
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=str(DEMO), trust_remote_code=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny decode ops: one thread is fastest (see eval_demo.greedy_completions)
+    try:
+        out = pipe("def fibonacci(n):\n", max_new_tokens=8, do_sample=False, return_full_text=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(out[0]["generated_text"], str) and out[0]["generated_text"]
+
+
+def test_greedy_completions_are_mostly_valid_python(loaded, eval_demo):
+    model, tokenizer = loaded
+    results = eval_demo.greedy_completions(model, tokenizer)
+    report = "\n".join(f"--- {'ok' if ok else 'INVALID'} {p!r}\n{p + c}" for p, c, _, ok in results)
+    assert len(results) == 5
+    assert sum(ok for *_, ok in results) >= 3, report
+
+
+def test_cut_rule(eval_demo):
+    cut = eval_demo.cut_completion
+    assert cut("def f(n):\n", "    return n\n\n\ndef g():\n    pass") == "def f(n):\n    return n\n"
+    assert cut("def f(n):\n", "    x = 1\n    return (x +") == "def f(n):\n    x = 1\n"
+    assert cut("def f(n):\n", "    return n", ended=True) == "def f(n):\n    return n\n"
+    assert cut("def f(n):", "\n    return n\nx = 1") == "def f(n):\n    return n\n"
+    prompt = "import os\n\n\ndef f(d):\n"
+    assert cut(prompt, "    return os.listdir(d)\nx") == prompt + "    return os.listdir(d)\n"
+    assert not eval_demo.completion_parses("def f(n):\n", "print(n)\n")
+    assert not eval_demo.completion_parses("def f(n):\n", "    return (n +")
+    assert eval_demo.completion_parses("class A:\n", "    def m(self):\n        return 1\n\n    def")
+
+
+def test_grouped_training_moe_matches_the_stock_forward():
+    """The training-only grouped expert loop (bench/train_demo.py) computes what KimiK3LatentMoE.forward does."""
+    from modeling_kimi_k3 import KimiK3LatentMoE
+    from reap_tools.tiny import random_model, tiny_config
+
+    train_demo = _bench("train_demo")
+    model = random_model(tiny_config(packed=False), seed=1).train()
+    ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(0))
+    grads = []
+    try:
+        for kind in ("stock", "grouped"):
+            train_demo.use_moe(kind)
+            model.zero_grad(set_to_none=True)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            grads.append((loss.detach(), grad))
+    finally:
+        train_demo.use_moe("stock")
+    assert KimiK3LatentMoE.forward is KimiK3LatentMoE._stock_forward
+    (loss_a, grad_a), (loss_b, grad_b) = grads
+    torch.testing.assert_close(loss_a, loss_b)
+    for name, grad in grad_a.items():
+        torch.testing.assert_close(grad_b[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    for name in set(grad_b) - set(grad_a):  # experts no token was routed to: zero gradient in the grouped form
+        assert not grad_b[name].any(), name
