@@ -3,7 +3,9 @@
 Reads top to bottom as the architecture does (see SPEC §2): activations and norms, Block Attention Residuals, KDA,
 MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the model and the causal-LM head.
 Module names follow the release checkpoint (`language_model.model.layers.{i}...`) so it loads unchanged.
-This file is the pure-torch reference path; it runs on CPU and on any accelerator.
+Every block has a pure-torch reference path, which runs anywhere and is what the tests compare against. On CUDA,
+KDA uses fla-core's kernels (`kda_fla.py`) and the routed experts Triton kernels that read the MXFP4 bytes directly
+(`mxfp4_triton.py`), each imported lazily and skipped when missing.
 """
 
 import json

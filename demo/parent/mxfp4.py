@@ -22,6 +22,11 @@ E2M1 = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 )
 
+# Both elements of every packed byte (low nibble first), and the value of every E8M0 scale code, so that
+# dequantization is two table lookups and one multiply.
+BYTE_TO_PAIR = torch.stack((E2M1[torch.arange(256) & 0x0F], E2M1[torch.arange(256) >> 4]), dim=-1)
+E8M0_VALUES = torch.exp2(torch.arange(256, dtype=torch.float32) - E8M0_BIAS)
+
 # Which modules are MXFP4: the routed experts' w1/w2/w3 and nothing else. A regex rather than the
 # public release's ``["Linear"]``: with ``"Linear"`` transformers' compressed-tensors loader would
 # also turn the MoE block's bf16 ``nn.Linear``s (routed_expert_down_proj/up_proj, the router
@@ -105,11 +110,8 @@ def dequantize_mxfp4(
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     out_features, half_in = weight_packed.shape
     device = weight_packed.device
-    table = E2M1.to(device=device, dtype=dtype)
-    codes = torch.stack((weight_packed & 0x0F, weight_packed >> 4), dim=-1).long()
-    values = table[codes].reshape(out_features, -1, GROUP_SIZE)
-    exponent = weight_scale.to(torch.int32) - E8M0_BIAS
-    scale = torch.exp2(exponent.to(torch.float32)).to(dtype)
+    values = BYTE_TO_PAIR.to(device=device, dtype=dtype)[weight_packed.long()].reshape(out_features, -1, GROUP_SIZE)
+    scale = E8M0_VALUES.to(device=device)[weight_scale.long()].to(dtype)
     return (values * scale.unsqueeze(-1)).reshape(out_features, 2 * half_in)
 
 
