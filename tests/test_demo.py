@@ -18,10 +18,11 @@ from tokenization_kimi_k3 import load_rank_file, tokenizer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demo" / "parent"
+PRUNED = ROOT / "demo" / "reap20"  # bench/retention.py --ship: the REAP-20 prune of DEMO
 # The remote-code files the demo must carry as byte copies of the root: the model's (reap_tools.tiny.MODEL_CODE)
 # and the tokenizer's.
 SHARED_FILES = tuple(MODEL_CODE) + ("tokenization_kimi_k3.py", "kimi_k3_parsing.py", "chat_template.jinja")
-SYNC = "python bench/train_demo.py sync-code"
+SYNC = "python bench/train_demo.py sync-code demo/parent && python bench/train_demo.py sync-code demo/reap20"
 
 
 def _bench(name):
@@ -41,16 +42,18 @@ def loaded(eval_demo):
     return eval_demo.load(DEMO, torch.float32)
 
 
+@pytest.mark.parametrize("checkpoint", [DEMO, PRUNED], ids=["parent", "reap20"])
 @pytest.mark.parametrize("name", SHARED_FILES)
-def test_demo_code_is_a_byte_copy_of_the_root(name):
-    root, demo = ROOT / name, DEMO / name
+def test_demo_code_is_a_byte_copy_of_the_root(name, checkpoint):
+    root, demo = ROOT / name, checkpoint / name
     assert root.is_file(), f"{name} missing at the repository root"
     assert demo.is_file(), f"{demo} missing: run `{SYNC}`"
     assert demo.read_bytes() == root.read_bytes(), f"{demo} differs from the root: run `{SYNC}`"
 
 
-def test_every_python_file_of_the_demo_is_a_root_copy():
-    names = {p.name for p in DEMO.glob("*.py")}
+@pytest.mark.parametrize("checkpoint", [DEMO, PRUNED], ids=["parent", "reap20"])
+def test_every_python_file_of_the_demo_is_a_root_copy(checkpoint):
+    names = {p.name for p in checkpoint.glob("*.py")}
     assert names == {n for n in SHARED_FILES if n.endswith(".py")}, f"run `{SYNC}`"
 
 

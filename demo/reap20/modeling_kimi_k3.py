@@ -1,0 +1,761 @@
+"""Kimi K3 text model (remote code): hybrid KDA / gated NoPE MLA decoder with Block Attention Residuals and LatentMoE.
+
+Reads top to bottom as the architecture does (see SPEC §2): activations and norms, Block Attention Residuals, KDA,
+MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the model and the causal-LM head.
+Module names follow the release checkpoint (`language_model.model.layers.{i}...`) so it loads unchanged.
+Every block has a pure-torch reference path, which runs anywhere and is what the tests compare against. On CUDA,
+KDA uses fla-core's kernels (`kda_fla.py`) and the routed experts Triton kernels that read the MXFP4 bytes directly
+(`mxfp4_triton.py`), each imported lazily and skipped when missing.
+"""
+
+import json
+import os
+import re
+import struct
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+try:
+    from .configuration_kimi_k3 import KimiK3Config
+    from .kda import chunk_kda, kda_gate, l2norm, recurrent_kda
+    from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+except ImportError:  # imported from the repository root rather than as transformers remote code
+    from configuration_kimi_k3 import KimiK3Config
+    from kda import chunk_kda, kda_gate, l2norm, recurrent_kda
+    from mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+
+_FAST_PATHS = {}
+
+
+def _fast_path(name):
+    """Optional CUDA kernels, imported on first use (None where triton / fla-core are missing):
+    "kda" -> (kda_fla.available, kda_fla.kda_forward); "mxfp4" -> mxfp4_triton.routed_experts."""
+    if name not in _FAST_PATHS:
+        try:
+            if name == "kda":
+                try:
+                    from .kda_fla import available, kda_forward
+                except ImportError:
+                    from kda_fla import available, kda_forward
+                _FAST_PATHS[name] = (available, kda_forward)
+            else:
+                try:
+                    from .mxfp4_triton import routed_experts
+                except ImportError:
+                    from mxfp4_triton import routed_experts
+                _FAST_PATHS[name] = routed_experts
+        except Exception:
+            _FAST_PATHS[name] = None
+    return _FAST_PATHS[name]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Activations and norms
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def situ_glu(gate, up, beta, linear_beta):
+    """SiTU-GLU in fp32: `beta*tanh(g/beta) * sigmoid(g) * linear_beta*tanh(u/linear_beta)`."""
+    g, u = gate.float(), up.float()
+    act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    return act.to(gate.dtype)
+
+
+class KimiK3RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back to the input dtype."""
+
+    def __init__(self, hidden_size, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (x * self.weight.float()).to(hidden_states.dtype)
+
+
+class KimiK3MLP(nn.Module):
+    """SiTU-GLU MLP: the dense layer-0 MLP and the shared experts."""
+
+    def __init__(self, config, intermediate_size):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+
+    def forward(self, x):
+        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block Attention Residuals
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def attn_res_mix(sources, norm, proj):
+    """Softmax-weighted mix over depth: `sum_j softmax_j(proj(norm(v_j))) v_j`, in fp32.
+
+    `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score of SPEC §2.
+    """
+    if len(sources) == 1:
+        return sources[0]
+    stacked = torch.stack([s.float() for s in sources])  # [n, B, T, H]
+    weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
+    return (weights * stacked).sum(0).to(sources[-1].dtype)
+
+
+class KimiK3AttnResProj(nn.Module):
+    """Pseudo-query of one attention-residual mix (weight [1, H]): an fp32 score per source."""
+
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
+
+    def forward(self, x):
+        return (x.float() * self.weight[0].float()).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KDA (Kimi Delta Attention)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _padded(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+class KimiK3ShortConv(nn.Conv1d):
+    """Causal depthwise convolution + SiLU; with a cache it carries the last `kernel - 1` inputs across calls."""
+
+    def __init__(self, channels, kernel_size):
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(self, x, state=None):
+        """x: [B, T, D]; state: [B, D, kernel-1] or None (zeros). Returns (y [B, T, D], new state)."""
+        x = x.transpose(1, 2)
+        if state is None:
+            state = x.new_zeros(x.shape[0], x.shape[1], self.kernel_size[0] - 1)
+        full = torch.cat([state.to(x.dtype), x], dim=-1)
+        y = F.conv1d(full, self.weight.to(x.dtype), groups=self.groups)
+        return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - state.shape[-1] :]
+
+
+class KimiK3DeltaAttention(nn.Module):
+    """KDA layer: short convs on q/k/v, lower-bounded per-channel decay, delta rule, gated per-head RMSNorm output."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        lac = config.linear_attn_config
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = lac["num_heads"], lac["head_dim"]
+        self.lower_bound = lac["gate_lower_bound"]
+        width = self.num_heads * self.head_dim
+        kernel = lac["short_conv_kernel_size"]
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, width, bias=False)
+        self.k_proj = nn.Linear(hidden, width, bias=False)
+        self.v_proj = nn.Linear(hidden, width, bias=False)
+        self.q_conv1d = KimiK3ShortConv(width, kernel)
+        self.k_conv1d = KimiK3ShortConv(width, kernel)
+        self.v_conv1d = KimiK3ShortConv(width, kernel)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
+        # The release stores A_log zero-padded to a multiple of 128 (96 heads -> [128]); only the first heads count.
+        self.A_log = nn.Parameter(torch.zeros(_padded(self.num_heads, 128), dtype=torch.float32))
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(hidden, width, bias=False)
+        self.o_norm = KimiK3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x, attention_mask=None, cache=None):
+        """x: [B, T, H]; attention_mask: [B, T] for these tokens (0 = padding), or None."""
+        if attention_mask is not None:
+            x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)  # padding leaves state and conv history at 0
+        batch, length, _ = x.shape
+        heads = (batch, length, self.num_heads, self.head_dim)
+        conv_states = cache.conv_states[self.layer_idx] if cache is not None else None
+        conv_states = conv_states or (None, None, None)
+        q, q_state = self.q_conv1d(self.q_proj(x), conv_states[0])
+        k, k_state = self.k_conv1d(self.k_proj(x), conv_states[1])
+        v, v_state = self.v_conv1d(self.v_proj(x), conv_states[2])
+        g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
+        state = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        fla = _fast_path("kda") if x.is_cuda else None
+        if fla is not None and fla[0](x.device):  # fla-core kernels: gate, L2 norms and beta sigmoid fused in
+            o, state = fla[1](q.view(heads), k.view(heads), v.view(heads), g_raw, self.b_proj(x),
+                              self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
+                              state, decode=length == 1 and state is not None)
+        else:
+            g = kda_gate(g_raw, self.A_log[: self.num_heads], self.dt_bias, self.lower_bound)
+            beta = torch.sigmoid(self.b_proj(x).float())
+            q, k = l2norm(q.view(heads).float()), l2norm(k.view(heads).float())
+            v = v.view(heads).float()
+            kernel = recurrent_kda if (length == 1 and state is not None) else chunk_kda
+            o, state = kernel(q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=state)
+        if cache is not None:
+            cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)
+            cache.recurrent_states[self.layer_idx] = state
+        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(heads)
+        return self.o_proj(o.reshape(batch, length, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gated NoPE MLA
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KimiK3MLAttention(nn.Module):
+    """Multi-head latent attention without rotary embeddings, with a sigmoid output gate.
+
+    Only the compressed latent `[kv_a_layernorm(c), k_r]` (kv_lora_rank + qk_rope_head_dim values a token) is cached;
+    per-head K/V are expanded from it with `kv_b_proj` at each call.
+    """
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = (self.nope_dim + self.rope_dim) ** -0.5
+        hidden = config.hidden_size
+        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = KimiK3RMSNorm(config.q_lora_rank, eps=1e-6)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * (self.nope_dim + self.rope_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = KimiK3RMSNorm(self.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.use_output_gate = config.mla_use_output_gate
+        if self.use_output_gate:
+            self.g_proj = nn.Linear(hidden, self.num_heads * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
+
+    def forward(self, x, attention_mask=None, cache=None):
+        """x: [B, T, H]; attention_mask: [B, past + T] over all cached and new tokens (0 = padding), or None."""
+        batch, length, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
+        c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
+        past = cache.latents[self.layer_idx] if cache is not None else None
+        if past is not None:
+            latent = torch.cat([past, latent], dim=1)
+        if cache is not None:
+            cache.latents[self.layer_idx] = latent
+        mask = _causal_padding_mask(attention_mask, batch, length, latent.shape[1], x.device)
+        # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
+        # own forward, so an offloaded (meta) weight takes the expanding path.
+        absorb = past is not None and length <= self.ABSORB_MAX_QUERIES and self.kv_b_proj.weight.device.type != "meta"
+        attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
+        attn = attn.transpose(1, 2).reshape(batch, length, -1)
+        if self.use_output_gate:
+            attn = attn * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(attn)
+
+    # Absorbing kv_b_proj costs ~ (kv_lora_rank + rope) per query per key instead of expanding every cached key
+    # to heads x (nope + v); it wins while the queries are few next to the keys, as in decode.
+    ABSORB_MAX_QUERIES = 16
+
+    def attend_expanded(self, q, latent, mask):
+        """Reference: expand per-head K/V from the latent with kv_b_proj, then causal SDPA. q: [B, heads, Tq, 192]."""
+        batch, keys = latent.shape[:2]
+        c, k_r = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c).view(batch, keys, self.num_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, self.num_heads, -1, -1)], dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+    def attend_absorbed(self, q, latent, mask):
+        """Same attention in the latent space: q_nope is mapped through W_UK^T onto the latent, the softmax-weighted
+        latent is mapped through W_UV per head; per-head K/V are never materialised."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c, k_r = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_latent = torch.einsum("bhqd,hdr->bhqr", q_nope, w_uk)
+        scores = torch.einsum("bhqr,bkr->bhqk", q_latent, c) + torch.einsum("bhqd,bkd->bhqk", q_rope, k_r)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(c.dtype)
+        return torch.einsum("bhqr,hvr->bhqv", torch.einsum("bhqk,bkr->bhqr", probs, c), w_uv)
+
+
+def _causal_padding_mask(attention_mask, batch, queries, keys, device):
+    """Boolean [B, 1, Tq, Tk]: causal, padding keys hidden; each query also sees itself so no row is empty."""
+    q_pos = torch.arange(keys - queries, keys, device=device)[:, None]
+    k_pos = torch.arange(keys, device=device)[None, :]
+    mask = (k_pos <= q_pos).expand(batch, -1, -1)
+    if attention_mask is not None:
+        valid = attention_mask.bool()[:, None, -keys:]
+        mask = mask & (valid | (k_pos == q_pos))
+    return mask.unsqueeze(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LatentMoE with MXFP4 routed experts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KimiK3Router(nn.Module):
+    """Sigmoid router with the bias-corrected ("noaux_tc") top-k choice, in fp32.
+
+    Returns the chosen expert ids [N, k] and the weights the expert outputs are multiplied by [N, k]: the chosen
+    sigmoid scores (not the biased ones), renormalised over the top-k, times `routed_scaling_factor`.
+    """
+
+    def __init__(self, config, num_experts):
+        super().__init__()
+        self.top_k = config.num_experts_per_token
+        self.renormalize = config.moe_renormalize
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x):
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class MXFP4Linear(nn.Module):
+    """A bias-free linear layer whose weight stays packed as MXFP4 (compressed-tensors `mxfp4-pack-quantized`).
+
+    `weight_packed` [out, in/2] and `weight_scale` [out, in/32] are uint8 parameters, loaded and saved as is; the
+    weight is dequantized only for the call that uses it. Deliberately not an `nn.Linear`: transformers'
+    compressed-tensors integration would otherwise decompress every such layer to bf16 at load.
+    """
+
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_packed = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.uint8),
+                                          requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.zeros(out_features, in_features // 32, dtype=torch.uint8),
+                                         requires_grad=False)
+
+    def forward(self, x):
+        return F.linear(x, dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype=x.dtype))
+
+    @torch.no_grad()
+    def pack_(self, weight):
+        """Quantize a float weight [out, in] into this layer's packs (compressed-tensors' rounding)."""
+        packed, scale = quantize_mxfp4(weight)
+        self.weight_packed.copy_(packed)
+        self.weight_scale.copy_(scale)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, format=mxfp4"
+
+
+class KimiK3Expert(nn.Module):
+    """One routed expert in the latent space: `w2(situ(w1 z, w3 z))`, L -> moe_intermediate -> L."""
+
+    def __init__(self, config, packed):
+        super().__init__()
+        latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
+        make = MXFP4Linear if packed else (lambda i, o: nn.Linear(i, o, bias=False))
+        self.w1, self.w3, self.w2 = make(latent, inner), make(latent, inner), make(inner, latent)
+        self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+
+    def forward(self, z):
+        return self.w2(situ_glu(self.w1(z), self.w3(z), self.beta, self.linear_beta))
+
+
+class KimiK3LatentMoE(nn.Module):
+    """LatentMoE: route on the full hidden state, run the chosen experts in a narrower latent space, sum, norm, lift.
+
+    `out = up(norm(sum_k w_k expert_k(down(x)))) + shared_experts(x)`. Experts run only on the tokens routed to them.
+    """
+
+    def __init__(self, config, num_experts, packed):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate = KimiK3Router(config, num_experts)
+        self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
+        self.experts = nn.ModuleList(KimiK3Expert(config, packed) for _ in range(num_experts))
+        self.routed_expert_norm = (
+            KimiK3RMSNorm(config.routed_expert_hidden_size, eps=config.rms_norm_eps)
+            if config.latent_moe_use_norm
+            else nn.Identity()
+        )
+        self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
+        self.shared_experts = KimiK3MLP(config, config.num_shared_experts * config.moe_intermediate_size)
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        ids, weights = self.gate(flat)
+        z = self.routed_expert_down_proj(flat)
+        fast = _fast_path("mxfp4") if x.is_cuda and isinstance(self.experts[0].w1, MXFP4Linear) else None
+        y = fast(self, z, ids, weights) if fast is not None else None  # Triton MXFP4 kernels, or None
+        if y is None:
+            y = self.routed_experts(z, ids, weights)
+        y = self.routed_expert_up_proj(self.routed_expert_norm(y.to(z.dtype)))
+        return (y + self.shared_experts(flat)).view(shape)
+
+    def routed_experts(self, z, ids, weights):
+        """Reference expert sum `sum_k w_k expert_k(z)` in fp32: (token, slot) pairs are sorted by expert so each
+        expert runs once on one contiguous slice, and the weighted outputs are scattered back in a single add."""
+        top_k = ids.shape[1]
+        order = ids.flatten().argsort(stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
+        token = order // top_k
+        routed = z[token]
+        out = torch.empty(routed.shape, dtype=torch.float32, device=z.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                out[start : start + count] = self.experts[e](routed[start : start + count]).float()
+                start += count
+        out *= weights.flatten()[order, None]
+        return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add_(0, token, out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoder layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KimiK3DecoderLayer(nn.Module):
+    """Attention (KDA or MLA) then MLP (dense) or LatentMoE, each reading a depth mix of the block bank.
+
+    State between layers is `(bank, partial)`: the block snapshots (row 0 the embeddings) and the current block's
+    partial sum of sublayer outputs (None right after a block boundary).
+    """
+
+    def __init__(self, config, layer_idx, packed_experts):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.opens_block = layer_idx % config.attn_res_block_size == 0
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = KimiK3RMSNorm(hidden, eps)
+        self.post_attention_layernorm = KimiK3RMSNorm(hidden, eps)
+        self.self_attention_res_norm = KimiK3RMSNorm(hidden, eps)
+        self.self_attention_res_proj = KimiK3AttnResProj(hidden)
+        self.mlp_res_norm = KimiK3RMSNorm(hidden, eps)
+        self.mlp_res_proj = KimiK3AttnResProj(hidden)
+        attention = KimiK3DeltaAttention if config.layer_types[layer_idx] == "kda" else KimiK3MLAttention
+        self.self_attn = attention(config, layer_idx)
+        experts = config.experts_in_layer(layer_idx)
+        if experts:
+            self.block_sparse_moe = KimiK3LatentMoE(config, experts, packed_experts)
+        else:
+            self.mlp = KimiK3MLP(config, config.intermediate_size)
+
+    def forward(self, bank, partial, attention_mask=None, cache=None):
+        sources = list(bank) + [partial]
+        h = attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj)
+        if self.opens_block:
+            bank, partial = tuple(bank) + (partial,), None
+        token_mask = attention_mask[:, -h.shape[1] :] if attention_mask is not None else None
+        if isinstance(self.self_attn, KimiK3DeltaAttention):
+            a = self.self_attn(self.input_layernorm(h), token_mask, cache)
+        else:
+            a = self.self_attn(self.input_layernorm(h), attention_mask, cache)
+        partial = a if partial is None else partial + a
+        h = attn_res_mix(list(bank) + [partial], self.mlp_res_norm, self.mlp_res_proj)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return tuple(bank), partial + ffn(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KimiK3Cache:
+    """Hybrid generation cache: per KDA layer the three conv histories and the fp32 recurrent state, per MLA layer
+    the compressed latent [B, T, kv_lora_rank + qk_rope_head_dim]. Entries are created on each layer's device."""
+
+    is_compileable = False
+
+    def __init__(self, config):
+        layers = config.num_hidden_layers
+        self.conv_states = [None] * layers
+        self.recurrent_states = [None] * layers
+        self.latents = [None] * layers
+        self.seen_tokens = 0
+
+    def get_seq_length(self, layer_idx=0):
+        return self.seen_tokens
+
+    def reorder_cache(self, beam_idx):
+        """Select batch rows (beam search)."""
+
+        def pick(t):
+            return t.index_select(0, beam_idx.to(t.device))
+
+        self.latents = [None if t is None else pick(t) for t in self.latents]
+        self.recurrent_states = [None if t is None else pick(t) for t in self.recurrent_states]
+        self.conv_states = [None if s is None else tuple(pick(t) for t in s) for s in self.conv_states]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KimiK3TextModel(nn.Module):
+    """Embeddings, decoder layers, the output depth mix and final norm (the release's `language_model.model`)."""
+
+    def __init__(self, config, packed_experts):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            KimiK3DecoderLayer(config, i, packed_experts) for i in range(config.num_hidden_layers)
+        )
+        self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output_attn_res_proj = KimiK3AttnResProj(config.hidden_size)
+        self.norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, past_key_values=None, use_cache=False):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        cache = past_key_values
+        if use_cache and cache is None:
+            cache = KimiK3Cache(self.config)
+        if attention_mask is not None:
+            expected = (cache.get_seq_length() if cache is not None else 0) + inputs_embeds.shape[1]
+            if attention_mask.shape[-1] != expected:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = {expected}"
+                )
+        bank, partial = (), inputs_embeds
+        for layer in self.layers:
+            bank, partial = layer(bank, partial, attention_mask, cache)
+        sources = [s.to(partial.device) for s in bank] + [partial]
+        hidden = self.norm(attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj))
+        if cache is not None:
+            cache.seen_tokens += inputs_embeds.shape[1]
+        return hidden, cache
+
+
+class KimiK3LanguageModel(nn.Module):
+    """The release's `language_model.` subtree: the decoder `model` and, for the causal LM, `lm_head`."""
+
+    def __init__(self, config, with_head):
+        super().__init__()
+        text = config.text_config
+        self.model = KimiK3TextModel(text, packed_experts=config.experts_packed)
+        if with_head:
+            self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+
+
+class KimiK3PreTrainedModel(PreTrainedModel):
+    """Weight init, loading rules and generation hooks shared by `KimiK3Model` and `KimiK3ForCausalLM`.
+
+    Loading is strict: a missing, unexpected or mis-shaped checkpoint tensor is an error naming it, and local
+    safetensors files are checked (header, size) before transformers reads them.
+    """
+
+    config_class = KimiK3Config
+    base_model_prefix = "language_model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    _keep_in_fp32_modules = ["A_log", "dt_bias", "e_score_correction_bias"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _is_stateful = True
+    _keys_to_ignore_on_load_unexpected = None
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.text_config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, KimiK3AttnResProj):  # zero pseudo-query: every mix starts as a uniform average
+            module.weight.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, KimiK3RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, KimiK3ShortConv):
+            nn.init.kaiming_uniform_(module.weight, a=5**0.5)
+        elif isinstance(module, KimiK3Router):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, MXFP4Linear) and module.weight_packed.device.type != "meta":
+            module.pack_(torch.randn(module.out_features, module.in_features) * std)
+        elif isinstance(module, KimiK3DeltaAttention):
+            module.A_log.zero_()
+            # decay per step drawn log-uniformly in [1e-3, 1e-1] of the lower bound's range at zero input
+            bound = abs(module.lower_bound or 1.0)
+            rate = torch.empty_like(module.dt_bias).uniform_(-6.9, -2.3).exp()
+            if module.lower_bound is None:
+                module.dt_bias.copy_(rate + torch.log(-torch.expm1(-rate)))
+            else:
+                p = (rate / bound).clamp(max=0.5)
+                module.dt_bias.copy_(torch.log(p / (1 - p)))
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls):
+        """The hybrid KDA/MLA state is not a DynamicCache; the model makes its own `KimiK3Cache`."""
+        return False
+
+    def get_input_embeddings(self):
+        return self.language_model.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.language_model.model.embed_tokens = value
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        wants_info = kwargs.pop("output_loading_info", False)
+        path = str(pretrained_model_name_or_path)
+        if os.path.isdir(path):
+            config = kwargs.get("config")
+            if not isinstance(config, KimiK3Config):
+                config = KimiK3Config.from_pretrained(path)
+            cls.check_checkpoint(path, config)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                              **kwargs)
+        cls._raise_on_key_problems(
+            path, info.get("missing_keys", []), info.get("unexpected_keys", []),
+            [str(m) for m in info.get("mismatched_keys", [])],
+        )
+        return (model, info) if wants_info else model
+
+    @classmethod
+    def check_checkpoint(cls, directory, config):
+        """Compare a local checkpoint's tensor names and shapes with what `config` implies, before loading."""
+        found = read_safetensors_shapes(directory)
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+        mismatched = [f"{k} (checkpoint {list(found[k])}, model {list(s)})"
+                      for k, s in expected.items() if k in found and tuple(found[k]) != s]
+        cls._raise_on_key_problems(directory, sorted(set(expected) - set(found)), sorted(set(found) - set(expected)),
+                                   mismatched)
+
+    @classmethod
+    def _raise_on_key_problems(cls, source, missing, unexpected, mismatched):
+        ignored = cls._keys_to_ignore_on_load_unexpected or []
+        unexpected = [k for k in unexpected if not any(re.search(p, k) for p in ignored)]
+        problems = {"missing": sorted(missing), "unexpected": sorted(unexpected), "mismatched": sorted(mismatched)}
+        if any(problems.values()):
+            detail = "; ".join(f"{kind}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else "")
+                               for kind, keys in problems.items() if keys)
+            raise ValueError(f"{source}: checkpoint does not match the model ({detail})")
+
+
+def read_safetensors_shapes(directory):
+    """Tensor name -> shape over a checkpoint's safetensors files, failing early (naming the file) on a missing
+    shard, a truncated file or a corrupt header, and on a tensor stored somewhere other than the index says."""
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    weight_map = None
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+    shapes = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: listed in model.safetensors.index.json but missing")
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: truncated safetensors file ({size} bytes)")
+            header_len = struct.unpack("<Q", head)[0]
+            if 8 + header_len > size:
+                raise ValueError(f"{path}: truncated safetensors header ({size} bytes, header says {header_len})")
+            try:
+                header = json.loads(f.read(header_len))
+            except ValueError as err:
+                raise ValueError(f"{path}: corrupt safetensors header ({err})") from None
+        header.pop("__metadata__", None)
+        end = max((t["data_offsets"][1] for t in header.values()), default=0)
+        if 8 + header_len + end != size:
+            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + header_len + end})")
+        for key, meta in header.items():
+            if weight_map is not None and weight_map.get(key) != name:
+                raise ValueError(f"{path}: holds {key}, which model.safetensors.index.json places in "
+                                 f"{weight_map.get(key)}")
+            shapes[key] = tuple(meta["shape"])
+    return shapes
+
+
+class KimiK3Model(KimiK3PreTrainedModel):
+    """The bare decoder (AutoModel): last hidden states, no LM head."""
+
+    _keys_to_ignore_on_load_unexpected = [r"^language_model\.lm_head\."]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.language_model = KimiK3LanguageModel(config, with_head=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None, use_cache=None,
+                return_dict=True, **kwargs):
+        _reject_unsupported_outputs(kwargs)
+        hidden, cache = self.language_model.model(input_ids, inputs_embeds, attention_mask, past_key_values,
+                                                  bool(use_cache))
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache)
+
+
+def _reject_unsupported_outputs(kwargs):
+    for name in ("output_attentions", "output_hidden_states"):
+        if kwargs.get(name):
+            raise ValueError(f"{name}=True is not supported by the Kimi K3 remote code")
+
+
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+    """Kimi K3 causal LM: the decoder plus `lm_head`; `generate()` greedy, sampling and beam search."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.language_model = KimiK3LanguageModel(config, with_head=True)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.language_model.lm_head
+
+    def set_output_embeddings(self, value):
+        self.language_model.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None, labels=None,
+                use_cache=None, logits_to_keep=0, return_dict=True, **kwargs):
+        _reject_unsupported_outputs(kwargs)
+        hidden, cache = self.language_model.model(input_ids, inputs_embeds, attention_mask, past_key_values,
+                                                  bool(use_cache))
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.language_model.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            shifted = labels[:, 1:].to(logits.device)
+            if attention_mask is not None:
+                shifted = shifted.masked_fill(~attention_mask[:, 1:].bool().to(logits.device), -100)
+            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), shifted.flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None,
+                                      use_cache=True, logits_to_keep=None, **kwargs):
+        """Feed only the tokens the cache has not seen; prompt embeddings only on the first step."""
+        seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if inputs_embeds is not None and seen == 0:
+            inputs = {"inputs_embeds": inputs_embeds}
+        else:
+            inputs = {"input_ids": input_ids[:, seen:]}
+        inputs.update(attention_mask=attention_mask, past_key_values=past_key_values, use_cache=use_cache)
+        if logits_to_keep is not None:
+            inputs["logits_to_keep"] = logits_to_keep
+        return inputs
+
+
+__all__ = ["KimiK3Model", "KimiK3ForCausalLM", "KimiK3PreTrainedModel", "KimiK3Cache"]

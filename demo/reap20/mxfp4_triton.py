@@ -1,0 +1,434 @@
+"""Triton kernels for the MXFP4 routed experts of a `KimiK3LatentMoE` block (CUDA; optional fast path).
+
+The packed bytes are read as stored (compressed-tensors `mxfp4-pack-quantized`, see `mxfp4.py`): per expert
+w1/w3 `weight_packed` [I, L/2] (element 2j in the low nibble), `weight_scale` [I, L/32] (E8M0), w2 [L, I/2] and
+[L, I/32]. Nothing is dequantized to memory.
+
+Two grouped kernels over (token, expert) pairs sorted by expert, `BM` pairs of one expert per program:
+  * `_w13_kernel`: `h = situ(w1 z, w3 z)` (SiTU-GLU in fp32 on the fp32 accumulators), stored bf16 per pair;
+  * `_w2_kernel`: `y_pair = weight * bf16(w2 h)`, stored fp32 per pair (or added atomically per token);
+the host sums the k pairs of each token in fp32, as the reference does. One launch pattern serves decode (BM=16,
+the compiler swaps the operands so the 16 tokens are the narrow side of the MMA) and prefill (BM=64/128).
+
+The matrix step (`UPCAST`) is `tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")` (Hopper has no FP4 MMA; Triton
+upcasts the nibbles to bf16 in registers), a packed inline-PTX nibble -> bf16 conversion followed by `tl.dot`
+("asm"), or an explicit fp32 dequant followed by `tl.dot` ("manual": what the Triton interpreter runs on CPU in
+the tests). Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
+
+Only `routed_experts` is called by the model; it returns None when this path does not apply (no triton, experts
+not packed, tensors not on one CUDA device), and the caller falls back to the reference loop.
+"""
+
+import os
+from collections import namedtuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the model uses the reference path
+    triton = None
+    tl = None
+
+# Set to False to force the reference expert loop (benchmarks and tests compare the two on the same weights).
+ENABLED = True
+
+# Kernel configurations: decode (few pairs) and prefill (many). Each entry: BM, and BN, BK, num_warps, num_stages
+# for the w13 and the w2 kernel (BM must agree between the two: they share the routing metadata); optional keys
+# "upcast", "atomic", "fast_math" override the module defaults below for that regime.
+# The defaults are the fastest correct variants of bench/layer.py's sweep on an H200 (bench/results/layer_h200.*):
+# tl.dot_scaled with fast_math beat the inline-PTX upcasts there, at decode and at prefill.
+CONFIGS = {
+    "decode": dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4), upcast="dot_scaled", fast_math=True),
+    "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3), upcast="dot_scaled", fast_math=True),
+}
+# Pairs per expert (on average) at or below which the decode configuration is used.
+DECODE_MAX_PAIRS_PER_EXPERT = 4
+# True: the w2 kernel adds weight * y into an fp32 [N, L] buffer atomically (one pass, order not fixed);
+# False: it stores per-pair rows and torch sums them (deterministic).
+ATOMIC_COMBINE = False
+# How the nibbles become bf16 MMA operands: "dot_scaled" (tl.dot_scaled: Triton's own upcast), "asm" (packed
+# inline-PTX conversion, one scale group at a time, then tl.dot), "asm_swap" (the same with weights as the MMA's
+# wide operand, for decode) or "manual" (fp32 dequant arithmetic, then tl.dot; what the Triton interpreter runs).
+# FAST_MATH is dot_scaled's `fast_math` flag, which drops Triton's special-value handling in the upcast (as we
+# understand it, the NaN of E8M0 code 255, which no pack from mxfp4.quantize_mxfp4 holds); with it the outputs
+# matched the reference as closely as without, and ran 20-25% faster. CONFIGS entries override both.
+UPCAST = "dot_scaled"
+FAST_MATH = False
+_UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3}
+
+# Under TRITON_INTERPRET=1 (CPU, numpy) the manual path multiplies in fp32: the interpreter's bf16 dot is unusable.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+Stack = namedtuple("Stack", "w1 s1 w3 s3 w2 s2 latent inner key")
+
+
+def available():
+    return ENABLED and triton is not None and (torch.cuda.is_available() or _INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Expert stacking
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _stack_key(moe):
+    first, last = moe.experts[0], moe.experts[-1]
+    return tuple(p.data_ptr() for p in (first.w1.weight_packed, last.w2.weight_scale))
+
+
+def stack_experts(moe, share=True):
+    """[E, ...] stacks of the per-expert packs of `moe`, built once and cached on the module.
+
+    With `share` the per-expert parameters are then re-pointed at views of the stacks, so the experts are held
+    once (the values, shapes and names of the parameters are unchanged). The cache is rebuilt only if the
+    parameters were replaced since (e.g. by `.to()`), which the data pointers of two of them reveal.
+    """
+    cached = getattr(moe, "_mxfp4_stack", None)
+    if cached is not None and cached.key == _stack_key(moe):
+        return cached
+    experts = moe.experts
+    device = experts[0].w1.weight_packed.device
+    stacks = {}
+    for name in ("w1", "w3", "w2"):
+        for attr, short in (("weight_packed", "w"), ("weight_scale", "s")):
+            params = [getattr(getattr(e, name), attr) for e in experts]
+            if any(p.device != device for p in params):
+                return None
+            stacked = torch.stack([p.data for p in params]).contiguous()
+            if share:
+                for i, p in enumerate(params):
+                    p.data = stacked[i]
+            stacks[short + name[1]] = stacked
+    latent, inner = experts[0].w1.in_features, experts[0].w1.out_features
+    stack = Stack(stacks["w1"], stacks["s1"], stacks["w3"], stacks["s3"], stacks["w2"], stacks["s2"], latent, inner,
+                  None)
+    stack = stack._replace(key=_stack_key(moe))
+    moe._mxfp4_stack = stack
+    return stack
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Routing metadata (torch only, no host sync)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def max_blocks(num_pairs, num_experts, block_m):
+    """Upper bound on sum_e ceil(count_e / BM): a static grid size."""
+    return num_pairs // block_m + min(num_experts, num_pairs)
+
+
+def align_blocks(ids, num_experts, block_m):
+    """Sort the flat (token, slot) pairs by expert into blocks of `block_m` rows of one expert each.
+
+    Returns `rows` [max_blocks * BM] int32 (flat pair index t*k + slot; `num_pairs` marks padding) and
+    `block_expert` [max_blocks] int32 (the expert of each block; `num_experts` marks a block with no work).
+    """
+    flat = ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    block_start = block_end - blocks
+    count_start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_expert = flat[order]
+    rank = torch.arange(pairs, device=device) - count_start[sorted_expert]
+    slot = block_start[sorted_expert] * block_m + rank
+    total = max_blocks(pairs, num_experts, block_m)
+    rows = torch.full((total * block_m,), pairs, dtype=torch.int32, device=device)
+    rows[slot] = order.to(torch.int32)
+    block_expert = torch.searchsorted(block_end, torch.arange(total, device=device), right=True)
+    return rows, block_expert.to(torch.int32).clamp_(max=num_experts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1(nib):
+        """E2M1 nibble (int32, 0..15) -> its value in fp32: sign bit 3, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
+        m = nib & 7
+        # m >= 2: exponent field e = m >> 1 >= 1, mantissa bit m & 1 -> bits of 2^(e-1) * (1 + (m&1)/2)
+        bits = (m << 22) + (126 << 23)
+        mag = tl.where(m < 2, m.to(tl.float32) * 0.5, bits.to(tl.float32, bitcast=True))
+        return tl.where((nib & 8) != 0, -mag, mag)
+
+    @triton.jit
+    def _e2m1x4_bf16(packed):
+        """uint8 bytes -> (low nibbles, high nibbles) as bf16, four bytes per instruction sequence: each nibble's
+        bits go straight into bf16 fields (sign -> bit 15, the three magnitude bits -> bits 6..8, which reads as
+        E2M1 * 2^-126, code 1 as a subnormal), then one bf16x2 multiply by 2^126 makes them exact E2M1 values."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 z, k, t01, t23, a, b;
+            mov.b32 z, 0;
+            mov.b32 k, 0x7E807E80;
+            prmt.b32 t01, $4, z, 0x4140;
+            prmt.b32 t23, $4, z, 0x4342;
+            shl.b32 a, t01, 6;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t01, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 a, a, b;
+            mul.rn.bf16x2 $0, a, k;
+            shl.b32 a, t23, 6;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t23, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 a, a, b;
+            mul.rn.bf16x2 $1, a, k;
+            shl.b32 a, t01, 2;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t01, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 a, a, b;
+            mul.rn.bf16x2 $2, a, k;
+            shl.b32 a, t23, 2;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t23, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 a, a, b;
+            mul.rn.bf16x2 $3, a, k;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+
+    @triton.jit
+    def _mx_tile_dot(acc, x_row, x_mask, w_col, s_col, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+                     F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
+        """acc [BM, BN] += x [BM, BK] @ dequant(w), for one K tile starting at the given pointers:
+        x_row [BM, 1] -> x[token, k0]; w_col [1, BN] -> packed[n, k0/2]; s_col [1, BN] -> scale[n, k0/32].
+
+        UPCAST 0: tl.dot_scaled (Triton upcasts e2m1 itself); 1: fp32 dequant arithmetic then tl.dot (the path the
+        interpreter runs); 2: packed inline-PTX nibble -> bf16 conversion, one scale group of 32 at a time."""
+        if UPCAST == 0:
+            x = tl.load(x_row + tl.arange(0, BK)[None, :], mask=x_mask, other=0.0)
+            w = tl.load(w_col + tl.arange(0, BK // 2)[:, None])  # [BK/2, BN], packed along K
+            s = tl.load(tl.reshape(s_col, (BN, 1)) + tl.arange(0, BK // 32)[None, :])  # [BN, BK/32]
+            acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=FAST_MATH)
+        elif UPCAST == 1:
+            offs = 2 * tl.arange(0, BK // 2)
+            x_even = tl.load(x_row + offs[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_row + offs[None, :] + 1, mask=x_mask, other=0.0)
+            j = tl.arange(0, BK // 2)[:, None]
+            w = tl.load(w_col + j).to(tl.int32)
+            scale = tl.exp2(tl.load(s_col + j // 16).to(tl.float32) - 127.0)  # [BK/2, BN], one per byte
+            w_lo = _e2m1(w & 15) * scale
+            w_hi = _e2m1(w >> 4) * scale
+            if F32_DOT:  # the interpreter's bf16 dot is not usable; these fp32 products are exact anyway
+                acc = tl.dot(x_even.to(tl.float32), w_lo, acc, input_precision="ieee")
+                acc = tl.dot(x_odd.to(tl.float32), w_hi, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x_even.to(tl.bfloat16), w_lo.to(tl.bfloat16), acc)
+                acc = tl.dot(x_odd.to(tl.bfloat16), w_hi.to(tl.bfloat16), acc)
+        elif UPCAST == 2:
+            offs = 2 * tl.arange(0, 16)
+            for g in tl.static_range(BK // 32):
+                x_even = tl.load(x_row + (32 * g + offs)[None, :], mask=x_mask, other=0.0)
+                x_odd = tl.load(x_row + (32 * g + 1 + offs)[None, :], mask=x_mask, other=0.0)
+                w = tl.load(w_col + (16 * g + tl.arange(0, 16))[:, None])  # [16, BN] bytes = 32 elements
+                s = tl.load(s_col + g)  # [1, BN] E8M0 codes
+                scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(s-127) as bf16 (code 255: inf)
+                w_lo, w_hi = _e2m1x4_bf16(w)
+                acc = tl.dot(x_even.to(tl.bfloat16), w_lo * scale, acc)
+                acc = tl.dot(x_odd.to(tl.bfloat16), w_hi * scale, acc)
+        else:  # 3: as 2 with the operands swapped, acc [BN, BM] += dequant(w) [BN, 32] @ x^T [32, BM]: the weight
+            # rows fill the MMA's wide side (wgmma needs 64) and the few decode tokens its narrow side
+            offs = 2 * tl.arange(0, 16)
+            for g in tl.static_range(BK // 32):
+                x_even = tl.load(x_row + (32 * g + offs)[:, None], mask=x_mask, other=0.0)  # [16, BM]
+                x_odd = tl.load(x_row + (32 * g + 1 + offs)[:, None], mask=x_mask, other=0.0)
+                w = tl.load(w_col + (16 * g + tl.arange(0, 16))[None, :])  # [BN, 16]
+                s = tl.load(s_col + g)  # [BN, 1]
+                scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+                w_lo, w_hi = _e2m1x4_bf16(w)
+                acc = tl.dot(w_lo * scale, x_even.to(tl.bfloat16), acc)
+                acc = tl.dot(w_hi * scale, x_odd.to(tl.bfloat16), acc)
+        return acc
+
+    @triton.jit
+    def _tanh(x):
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+    @triton.jit(do_not_specialize=["num_pairs", "top_k"])
+    def _w13_kernel(z_ptr, rows_ptr, block_expert_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+                    num_pairs, top_k, stride_z, stride_h, K: tl.constexpr, N: tl.constexpr,
+                    E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    BETA: tl.constexpr, LINEAR_BETA: tl.constexpr, UPCAST: tl.constexpr,
+                    F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert >= E:
+            return
+        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+        valid = rows < num_pairs
+        token = tl.where(valid, rows // top_k, 0).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        expert = expert.to(tl.int64)
+        K2 = K // 2
+        KG = K // 32
+        if UPCAST == 3:
+            x_row = z_ptr + token[None, :] * stride_z  # [1, BM]
+            w_col = expert * N * K2 + offs_n[:, None] * K2  # [BN, 1]
+            s_col = expert * N * KG + offs_n[:, None] * KG
+            acc1 = tl.zeros((BN, BM), dtype=tl.float32)
+            acc3 = tl.zeros((BN, BM), dtype=tl.float32)
+            x_mask = valid[None, :]
+        else:
+            x_row = z_ptr + token[:, None] * stride_z  # [BM, 1]
+            w_col = expert * N * K2 + offs_n[None, :] * K2  # [1, BN]
+            s_col = expert * N * KG + offs_n[None, :] * KG
+            acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+            acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+            x_mask = valid[:, None]
+        for k0 in range(0, K, BK):
+            acc1 = _mx_tile_dot(acc1, x_row + k0, x_mask, w1_ptr + w_col + k0 // 2, s1_ptr + s_col + k0 // 32,
+                                BN, BK, UPCAST, F32_DOT, FAST_MATH)
+            acc3 = _mx_tile_dot(acc3, x_row + k0, x_mask, w3_ptr + w_col + k0 // 2, s3_ptr + s_col + k0 // 32,
+                                BN, BK, UPCAST, F32_DOT, FAST_MATH)
+        act = (BETA * _tanh(acc1 / BETA)) * tl.sigmoid(acc1) * (LINEAR_BETA * _tanh(acc3 / LINEAR_BETA))
+        if UPCAST == 3:
+            h_ptrs = h_ptr + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None]
+        else:
+            h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=x_mask)
+
+    @triton.jit(do_not_specialize=["num_pairs", "top_k"])
+    def _w2_kernel(h_ptr, rows_ptr, block_expert_ptr, w2_ptr, s2_ptr, weight_ptr, y_ptr,
+                   num_pairs, top_k, stride_h, stride_y, K: tl.constexpr, N: tl.constexpr,
+                   E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   UPCAST: tl.constexpr, ATOMIC: tl.constexpr, F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert >= E:
+            return
+        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+        valid = rows < num_pairs
+        row64 = tl.where(valid, rows, 0).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        expert = expert.to(tl.int64)
+        K2 = K // 2
+        KG = K // 32
+        if UPCAST == 3:
+            x_row = h_ptr + row64[None, :] * stride_h
+            w_col = expert * N * K2 + offs_n[:, None] * K2
+            s_col = expert * N * KG + offs_n[:, None] * KG
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            x_mask = valid[None, :]
+        else:
+            x_row = h_ptr + row64[:, None] * stride_h
+            w_col = expert * N * K2 + offs_n[None, :] * K2
+            s_col = expert * N * KG + offs_n[None, :] * KG
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            x_mask = valid[:, None]
+        for k0 in range(0, K, BK):
+            acc = _mx_tile_dot(acc, x_row + k0, x_mask, w2_ptr + w_col + k0 // 2, s2_ptr + s_col + k0 // 32,
+                               BN, BK, UPCAST, F32_DOT, FAST_MATH)
+        weight = tl.load(weight_ptr + row64, mask=valid, other=0.0)
+        # the reference rounds each expert's output to the activation dtype before weighting it in fp32
+        token = row64 // top_k
+        if UPCAST == 3:
+            out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[None, :]
+            if ATOMIC:
+                tl.atomic_add(y_ptr + token[None, :] * stride_y + offs_n[:, None], out, mask=x_mask, sem="relaxed")
+            else:
+                tl.store(y_ptr + row64[None, :] * stride_y + offs_n[:, None], out, mask=x_mask)
+        else:
+            out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+            if ATOMIC:
+                tl.atomic_add(y_ptr + token[:, None] * stride_y + offs_n[None, :], out, mask=x_mask, sem="relaxed")
+            else:
+                tl.store(y_ptr + row64[:, None] * stride_y + offs_n[None, :], out, mask=x_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _fit(block, size):
+    """Largest power-of-two block <= `block` dividing `size` (sizes here are multiples of 32)."""
+    while block > 32 and size % block:
+        block //= 2
+    return block
+
+
+def pick_config(num_pairs, num_experts):
+    return CONFIGS["decode" if num_pairs <= DECODE_MAX_PAIRS_PER_EXPERT * num_experts else "prefill"]
+
+
+def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=None, upcast=None, atomic=None,
+                h_dtype=None, fast_math=None, dot_scaled=None):
+    """fp32 [N, L]: sum_k weights[:, k] * expert_{ids[:, k]}(z) over the stacked packs. z: [N, L].
+
+    The intermediate activation (and each expert's output before weighting) is rounded to `h_dtype`, by default
+    the activation dtype, as the reference does; the tests pass float32 to check the indexing exactly.
+    `dot_scaled=True/False` is shorthand for upcast="dot_scaled"/"manual"."""
+    tokens, top_k = ids.shape
+    pairs = tokens * top_k
+    latent, inner = stack.latent, stack.inner
+    config = config or pick_config(pairs, num_experts)
+    if upcast is None:
+        upcast = ("dot_scaled" if dot_scaled else "manual") if dot_scaled is not None else config.get("upcast", UPCAST)
+    if _INTERPRET:
+        upcast = "manual"  # neither tl.dot_scaled nor inline PTX runs in the interpreter
+    mode = _UPCAST_CODES[upcast]
+    fast_math = config.get("fast_math", FAST_MATH) if fast_math is None else fast_math
+    atomic = config.get("atomic", ATOMIC_COMBINE) if atomic is None else atomic
+    block_m = config["BM"]
+    x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
+    rows, block_expert = align_blocks(ids, num_experts, block_m)
+    blocks = block_expert.numel()
+    h = torch.empty(pairs, inner, dtype=h_dtype or x.dtype, device=x.device)
+    bn, bk, warps, stages = config["w13"]
+    bn, bk = _fit(bn, inner), _fit(bk, latent)
+    _w13_kernel[(blocks, inner // bn)](
+        x, rows, block_expert, stack.w1, stack.s1, stack.w3, stack.s3, h,
+        pairs, top_k, x.stride(0), h.stride(0), K=latent, N=inner,
+        E=num_experts, BM=block_m, BN=bn, BK=bk, BETA=float(beta), LINEAR_BETA=float(linear_beta),
+        UPCAST=mode, F32_DOT=_INTERPRET, FAST_MATH=fast_math, num_warps=warps, num_stages=stages,
+    )
+    flat_weights = weights.reshape(-1).float().contiguous()
+    if atomic:
+        y = torch.zeros(tokens, latent, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(pairs, latent, dtype=torch.float32, device=x.device)
+    bn, bk, warps, stages = config["w2"]
+    bn, bk = _fit(bn, latent), _fit(bk, inner)
+    _w2_kernel[(blocks, latent // bn)](
+        h, rows, block_expert, stack.w2, stack.s2, flat_weights, y,
+        pairs, top_k, h.stride(0), y.stride(0), K=inner, N=latent,
+        E=num_experts, BM=block_m, BN=bn, BK=bk, UPCAST=mode, ATOMIC=atomic, F32_DOT=_INTERPRET, FAST_MATH=fast_math,
+        num_warps=warps, num_stages=stages,
+    )
+    return y if atomic else y.view(tokens, top_k, latent).sum(1)
+
+
+def routed_experts(moe, z, ids, weights):
+    """The routed-expert sum of a `KimiK3LatentMoE` (fp32 [N, L]) through the Triton kernels, or None where this
+    path does not apply (no triton/CUDA, switched off, experts not on z's device, sizes not multiples of 32)."""
+    if not available() or not z.is_cuda:
+        return None
+    expert = moe.experts[0]
+    latent, inner = expert.w1.in_features, expert.w1.out_features
+    if latent % 32 or inner % 32 or expert.w1.weight_packed.device != z.device:
+        return None
+    stack = stack_experts(moe)
+    if stack is None:
+        return None
+    return run_experts(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta)

@@ -1,0 +1,32 @@
+"""The shipped REAP-20 demo (issue 6): a bit-exact prune of the trained parent, and the README's default model."""
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from reap_tools.verify import verify_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+PARENT, PRUNED = ROOT / "demo" / "parent", ROOT / "demo" / "reap20"
+
+
+def test_kept_experts_verify_bit_exact_against_the_parent():
+    result = verify_checkpoint(PRUNED, source=PARENT, progress=False)
+    assert result.ok, result.errors
+    selection = json.loads((PRUNED / "reap_selection.json").read_text())
+    assert selection["criterion"] == "reap"
+    assert all(len(ids) == 20 for ids in selection["layers"].values())
+    assert json.loads((PRUNED / "config.json").read_text())["text_config"]["num_experts"] == 20
+
+
+def test_pruned_demo_is_the_generate_default_and_generates():
+    from reap_tools.generate import DEFAULT_MODEL, complete, load_pipeline
+
+    assert Path(DEFAULT_MODEL) == PRUNED
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(PRUNED, trust_remote_code=True)
+    assert len(model.language_model.model.layers[1].block_sparse_moe.experts) == 20
+    text = complete(load_pipeline(str(PRUNED)), "def fibonacci(n):\n", max_new_tokens=16)
+    assert text.startswith("def fibonacci(n):\n") and len(text) > len("def fibonacci(n):\n")
