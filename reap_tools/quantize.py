@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -26,40 +25,13 @@ from safetensors import safe_open
 
 import mxfp4
 
+from .checkpoint import copy_range, encode_header, read_header
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 EXPERT_WEIGHT = re.compile(r"(^|\.)block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 _QUANTIZABLE = {"BF16", "F32"}
-_COPY_CHUNK = 64 * 1024 * 1024
-
-
-def _read_header(path: Path) -> tuple[int, dict]:
-    """(data start offset, header dict) of a safetensors file, without loading any tensor."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 1024 * 1024:
-            raise ValueError(f"{path}: not a safetensors file (header length {n})")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"{path}: unreadable safetensors header: {e}") from None
-    return 8 + n, header
-
-
-def _encode_header(entries: list[tuple[str, str, list[int], int]], metadata: dict | None) -> bytes:
-    """The safetensors header (length prefix + JSON padded to 8 bytes) for tensors in this order."""
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    return struct.pack("<Q", len(blob)) + blob
 
 
 def _scheme():
@@ -105,26 +77,24 @@ def _plan_shard(path: Path, index: dict | None) -> tuple[int, list, list[tuple],
     Returns (data start, source (name, info) in file order, output (name, dtype, shape, nbytes)
     in the same order, the shard's __metadata__).
     """
-    data_start, header = _read_header(path)
-    metadata = header.pop("__metadata__", None)
-    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    shard = read_header(path)
+    entries = sorted(shard.tensors.values(), key=lambda t: t.start)
     if index is not None:
         listed = {k for k, v in index["weight_map"].items() if v == path.name}
-        if listed != set(header):
-            extra = sorted(set(header) - listed)[:3]
-            missing = sorted(listed - set(header))[:3]
+        if listed != set(shard.tensors):
+            extra = sorted(set(shard.tensors) - listed)[:3]
+            missing = sorted(listed - set(shard.tensors))[:3]
             raise ValueError(
                 f"{path}: tensors disagree with {INDEX_NAME} (in shard only: {extra}, "
                 f"in index only: {missing})"
             )
     out: list[tuple] = []
-    for name, info in entries:
-        dtype, shape = info["dtype"], info["shape"]
+    for info in entries:
+        name, dtype, shape = info.name, info.dtype, list(info.shape)
         if name.endswith((".weight_packed", ".weight_scale")):
             raise ValueError(f"{path}: tensor {name} is already quantized; SRC must be bf16/fp32")
-        begin, end = info["data_offsets"]
         if not EXPERT_WEIGHT.search(name):
-            out.append((name, dtype, shape, end - begin))
+            out.append((name, dtype, shape, info.nbytes))
             continue
         if dtype not in _QUANTIZABLE:
             raise ValueError(f"{path}: expert tensor {name} is {dtype}; expected BF16 or F32")
@@ -137,29 +107,23 @@ def _plan_shard(path: Path, index: dict | None) -> tuple[int, list, list[tuple],
         base = name[: -len("weight")]
         out.append((base + "weight_packed", "U8", [rows, cols // 2], rows * cols // 2))
         out.append((base + "weight_scale", "U8", [rows, cols // 32], rows * cols // 32))
-    return data_start, entries, out, metadata
+    return entries, out, shard.metadata or None
 
 
 def _write_shard(src_path: Path, dst_path: Path, index: dict | None, scheme) -> tuple[dict, int, int]:
     """Write one output shard; return (name -> nbytes, experts quantized, tensors copied)."""
-    data_start, entries, out, metadata = _plan_shard(src_path, index)
+    entries, out, metadata = _plan_shard(src_path, index)
     sizes = {name: nbytes for name, _, _, nbytes in out}
     quantized = copied = 0
     with open(src_path, "rb") as src, open(dst_path, "wb") as dst, safe_open(
         str(src_path), "pt"
     ) as tensors:
-        dst.write(_encode_header(out, metadata))
-        for name, info in entries:
-            begin, end = info["data_offsets"]
+        dst.write(encode_header(out, metadata))
+        for info in entries:
+            name = info.name
             if not EXPERT_WEIGHT.search(name):
-                src.seek(data_start + begin)
-                left = end - begin
-                while left:
-                    chunk = src.read(min(left, _COPY_CHUNK))
-                    if not chunk:
-                        raise ValueError(f"{src_path}: tensor {name} is truncated")
-                    dst.write(chunk)
-                    left -= len(chunk)
+                dst.flush()
+                copy_range(src.fileno(), dst.fileno(), info.start, info.nbytes)
                 copied += 1
                 continue
             weight = tensors.get_tensor(name)
