@@ -25,8 +25,12 @@ def test_pruned_demo_is_the_generate_default_and_generates():
     from reap_tools.generate import DEFAULT_MODEL, complete, load_pipeline
 
     assert Path(DEFAULT_MODEL) == PRUNED
-    torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(PRUNED, trust_remote_code=True)
     assert len(model.language_model.model.layers[1].block_sparse_moe.experts) == 20
-    text = complete(load_pipeline(str(PRUNED)), "def fibonacci(n):\n", max_new_tokens=16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny decode ops: one thread is fastest
+    try:
+        text = complete(load_pipeline(str(PRUNED)), "def fibonacci(n):\n", max_new_tokens=16)
+    finally:
+        torch.set_num_threads(threads)
     assert text.startswith("def fibonacci(n):\n") and len(text) > len("def fibonacci(n):\n")

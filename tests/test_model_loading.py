@@ -42,6 +42,7 @@ def test_round_trip_in_a_fresh_process(tmp_path):
         f"""
         import sys, torch
         from transformers import AutoModelForCausalLM
+        torch.set_num_threads({torch.get_num_threads()})  # same reduction order as the parent process
         model, info = AutoModelForCausalLM.from_pretrained({directory!r}, trust_remote_code=True,
                                                            output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
