@@ -15,10 +15,14 @@ try:
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from kda import chunk_kda, kda_gate, l2norm, recurrent_kda
 
+import os
+
 import torch
 
-# Set to False to force the reference path (benchmarks and tests compare the two on the same weights).
-ENABLED = True
+# Opt-in (KIMI_K3_FLA_KDA=1) until it is understood why, inside a whole bf16 model, this path's logits differ from the
+# reference by ~25 % relative (the reference in bf16 vs fp32: ~5 %), although the kernels alone match the reference
+# within bf16 tolerance (tests/test_gpu_paths.py). Benchmarks and tests set it directly to compare the two paths.
+ENABLED = os.environ.get("KIMI_K3_FLA_KDA", "0") == "1"
 # fla's `safe_gate` (16-row tensor-core sub-chunks, valid for gates bounded in [lower_bound, 0) with lower_bound
 # >= -5): None uses it whenever the bound allows; False never.
 SAFE_GATE = None
