@@ -15,7 +15,7 @@ then extrapolates to 93 layers (69 KDA + 24 MLA, layer 0's dense MLP counted as 
 prints the implied single-stream TPOT beside the model card's (38.8 ms TPOT, 24.7 tok/s, 8x RTX 6000, SGLang).
 
 Usage: python bench/layer.py --out results.json [--quick] [--budget-s 240]. CUDA only. The reference path is the
-model's own code with the fast paths switched off (`mxfp4_triton.ENABLED`, `kda_fla.ENABLED`): experts are
+model's own code with the fast paths switched off (`mxfp4_triton.ENABLED`, `kda.ENABLED`): experts are
 dequantized per call, KDA runs the pure-torch chunked / recurrent forms.
 """
 
@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 if "--smoke" in sys.argv:  # the Triton kernels run in the interpreter on CPU (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kda_fla  # noqa: E402
+import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, KimiK3DeltaAttention  # noqa: E402
@@ -184,7 +184,7 @@ def decode_cache(text, layer, batch, seed):
 
 def set_fast(on):
     mxfp4_triton.ENABLED = on
-    kda_fla.ENABLED = on
+    kda.ENABLED = on
 
 
 def graph_of(fn, reset):
@@ -422,8 +422,6 @@ def choose(sweep, key, tolerance=2e-2):
 
 def bench_kda_core(tokens, reps, seed):
     """fla chunk_kda at the release's head shape, safe_gate on and off, against the fp32 torch reference."""
-    import kda
-
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     heads, dim = 96, 128
     q, k, v, g_raw = (torch.randn(1, tokens, heads, dim, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -438,18 +436,18 @@ def bench_kda_core(tokens, reps, seed):
             ref_o, ref_s = kda.chunk_kda(kda.l2norm(q.float()), kda.l2norm(k.float()), v.float(), g,
                                          torch.sigmoid(beta_raw.float()), scale=dim**-0.5)
         out["reference_ms"] = t.ms
-        previous = kda_fla.SAFE_GATE
+        previous = kda.SAFE_GATE
         try:
             for safe in (None, False):
-                kda_fla.SAFE_GATE = safe
-                run = lambda: kda_fla.kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0,  # noqa: E731
+                kda.SAFE_GATE = safe
+                run = lambda: kda.kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0,  # noqa: E731
                                                   dim**-0.5)
                 o, state = run()
                 out["safe_gate" if safe is None else "no_safe_gate"] = {
                     "ms": time_ms(run, reps), "o_rel_err": float((o.float() - ref_o).norm() / ref_o.norm()),
                     "state_rel_err": float((state - ref_s).norm() / ref_s.norm())}
         finally:
-            kda_fla.SAFE_GATE = previous
+            kda.SAFE_GATE = previous
     return out
 
 
@@ -482,14 +480,14 @@ def main(argv=None):
     sections = set(args.sections.split(","))
     reps = 3 if args.smoke else 10 if args.quick else 30
     if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
-        kda_fla.quick_tune(1)
+        kda.quick_tune(1)
     import triton
 
     results = {
         "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke run)",
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
                      "fla": _version("fla-core"), "transformers": _version("transformers")},
-        "fast_paths": {"mxfp4_triton": mxfp4_triton.available(), "kda_fla": kda_fla.available(DEVICE),
+        "fast_paths": {"mxfp4_triton": mxfp4_triton.available(), "kda_fla": kda.available(DEVICE),
                        "mxfp4_configs": mxfp4_triton.CONFIGS, "upcast": mxfp4_triton.UPCAST,
                        "atomic_combine": mxfp4_triton.ATOMIC_COMBINE,
                        "fla_quick_tune": os.environ.get("KIMI_K3_QUICK_TUNE") == "1"},

@@ -1,7 +1,7 @@
 """CUDA fast paths against the torch reference on the same weights: Triton MXFP4 experts, fla KDA, absorbed MLA,
 and greedy decoding of a small random model. Skipped (with the reason shown) without a CUDA device.
 
-`KIMI_K3_QUICK_TUNE=1` trims fla's autotuners to one configuration each (see `kda_fla.quick_tune`), for runs on a
+`KIMI_K3_QUICK_TUNE=1` trims fla's autotuners to one configuration each (see `kda.quick_tune`), for runs on a
 rationed GPU. KDA is tested at the release's head shape (96 x 128), so its kernels compile once for the tests and
 the benchmark alike.
 """
@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 import kda  # noqa: E402
-import kda_fla  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from modeling_kimi_k3 import KimiK3LatentMoE, KimiK3MLAttention  # noqa: E402
 from reap_tools.tiny import random_model, tiny_config  # noqa: E402
@@ -35,11 +34,11 @@ def rel(a, b):
 def _switches():
     """Both fast paths on for the kernel checks (fla KDA is opt-in by default); defaults restored afterwards."""
     if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
-        kda_fla.quick_tune(1)
-    defaults = mxfp4_triton.ENABLED, kda_fla.ENABLED
-    mxfp4_triton.ENABLED = kda_fla.ENABLED = True
+        kda.quick_tune(1)
+    defaults = mxfp4_triton.ENABLED, kda.ENABLED
+    mxfp4_triton.ENABLED = kda.ENABLED = True
     yield
-    mxfp4_triton.ENABLED, kda_fla.ENABLED = defaults
+    mxfp4_triton.ENABLED, kda.ENABLED = defaults
 
 
 def fill_packs(moe, low=114, high=124, seed=0):
@@ -127,13 +126,13 @@ def kda_inputs(batch, length, heads=96, dim=128, seed=0):
 
 @pytest.mark.parametrize("length,decode,with_state", [(1, True, True), (100, False, True), (64, False, False)])
 def test_kda_fla_matches_reference(length, decode, with_state):
-    if not kda_fla.available(DEVICE):
+    if not kda.available(DEVICE):
         pytest.skip("fla-core is not importable here")
     q, k, v, g_raw, beta_raw, A_log, dt_bias, state = kda_inputs(2, length)
     state = state if with_state else None
     args = (q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0, 128**-0.5, state)
     with torch.no_grad():
-        o, s = kda_fla.kda_forward(*args, decode=decode)
+        o, s = kda.kda_forward(*args, decode=decode)
         g = kda.kda_gate(g_raw, A_log, dt_bias, -5.0)
         ref_o, ref_s = kda.recurrent_kda(kda.l2norm(q.float()), kda.l2norm(k.float()), v.float(), g,
                                          torch.sigmoid(beta_raw.float()), scale=128**-0.5, initial_state=state)
@@ -170,8 +169,8 @@ def test_greedy_64_steps_fast_vs_reference():
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device=DEVICE)
     steps = 64
-    kda_default = kda_fla.ENABLED
-    kda_fla.ENABLED = False  # the default paths: Triton experts on; fla KDA is opt-in (see kda_fla.ENABLED)
+    kda_default = kda.ENABLED
+    kda.ENABLED = False  # the default paths: Triton experts on; fla KDA is opt-in (see kda.ENABLED)
     with torch.no_grad():
         mxfp4_triton.ENABLED = True
         fast = model.generate(prompt, max_new_tokens=steps, do_sample=False)
@@ -179,7 +178,7 @@ def test_greedy_64_steps_fast_vs_reference():
         ref = model.generate(prompt, max_new_tokens=steps, do_sample=False)
         # Teacher-force the reference on the fast sequence: every fast choice must be (near-)argmax there.
         logits = model(fast[:, :-1]).logits[0, prompt.shape[1] - 1:].float()
-    mxfp4_triton.ENABLED, kda_fla.ENABLED = True, kda_default  # back to the kernel-check setting
+    mxfp4_triton.ENABLED, kda.ENABLED = True, kda_default  # back to the kernel-check setting
     chosen = fast[0, prompt.shape[1]:]
     gap = (logits.max(-1).values - logits.gather(-1, chosen[:, None])[:, 0]) / logits.std(-1)
     same = int((fast[0] == ref[0]).int().cumprod(0).sum()) - prompt.shape[1]

@@ -4,8 +4,8 @@ Reads top to bottom as the architecture does (see SPEC §2): activations and nor
 MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the model and the causal-LM head.
 Module names follow the release checkpoint (`language_model.model.layers.{i}...`) so it loads unchanged.
 Every block has a pure-torch reference path, which runs anywhere and is what the tests compare against. On CUDA,
-KDA uses fla-core's kernels (`kda_fla.py`) and the routed experts Triton kernels that read the MXFP4 bytes directly
-(`mxfp4_triton.py`), each imported lazily and skipped when missing.
+KDA can use fla-core's kernels (`kda.kda_forward`, opt-in) and the routed experts Triton kernels that read the
+MXFP4 bytes directly (`mxfp4_triton.py`), each imported lazily and skipped when missing.
 """
 
 import json
@@ -21,37 +21,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 try:
     from .configuration_kimi_k3 import KimiK3Config
-    from .kda import chunk_kda, kda_gate, l2norm, recurrent_kda
+    from .kda import kda_forward
     from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from .mxfp4_triton import routed_experts as triton_routed_experts
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
-    from kda import chunk_kda, kda_gate, l2norm, recurrent_kda
+    from kda import kda_forward
     from mxfp4 import dequantize_mxfp4, quantize_mxfp4
-
-
-_FAST_PATHS = {}
-
-
-def _fast_path(name):
-    """Optional CUDA kernels, imported on first use (None where triton / fla-core are missing):
-    "kda" -> (kda_fla.available, kda_fla.kda_forward); "mxfp4" -> mxfp4_triton.routed_experts."""
-    if name not in _FAST_PATHS:
-        try:
-            if name == "kda":
-                try:
-                    from .kda_fla import available, kda_forward
-                except ImportError:
-                    from kda_fla import available, kda_forward
-                _FAST_PATHS[name] = (available, kda_forward)
-            else:
-                try:
-                    from .mxfp4_triton import routed_experts
-                except ImportError:
-                    from mxfp4_triton import routed_experts
-                _FAST_PATHS[name] = routed_experts
-        except Exception:
-            _FAST_PATHS[name] = None
-    return _FAST_PATHS[name]
+    from mxfp4_triton import routed_experts as triton_routed_experts
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -188,18 +165,10 @@ class KimiK3DeltaAttention(nn.Module):
         v, v_state = self.v_conv1d(self.v_proj(x), conv_states[2])
         g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
         state = cache.recurrent_states[self.layer_idx] if cache is not None else None
-        fla = _fast_path("kda") if x.is_cuda else None
-        if fla is not None and fla[0](x.device):  # fla-core kernels: gate, L2 norms and beta sigmoid fused in
-            o, state = fla[1](q.view(heads), k.view(heads), v.view(heads), g_raw, self.b_proj(x),
-                              self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                              state, decode=length == 1 and state is not None)
-        else:
-            g = kda_gate(g_raw, self.A_log[: self.num_heads], self.dt_bias, self.lower_bound)
-            beta = torch.sigmoid(self.b_proj(x).float())
-            q, k = l2norm(q.view(heads).float()), l2norm(k.view(heads).float())
-            v = v.view(heads).float()
-            kernel = recurrent_kda if (length == 1 and state is not None) else chunk_kda
-            o, state = kernel(q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=state)
+        # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
+        o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, self.b_proj(x),
+                               self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
+                               state, decode=length == 1 and state is not None)
         if cache is not None:
             cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)
             cache.recurrent_states[self.layer_idx] = state
@@ -397,8 +366,8 @@ class KimiK3LatentMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         ids, weights = self.gate(flat)
         z = self.routed_expert_down_proj(flat)
-        fast = _fast_path("mxfp4") if x.is_cuda and isinstance(self.experts[0].w1, MXFP4Linear) else None
-        y = fast(self, z, ids, weights) if fast is not None else None  # Triton MXFP4 kernels, or None
+        packed = isinstance(self.experts[0].w1, MXFP4Linear)
+        y = triton_routed_experts(self, z, ids, weights) if x.is_cuda and packed else None  # None: not applicable
         if y is None:
             y = self.routed_experts(z, ids, weights)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y.to(z.dtype)))
