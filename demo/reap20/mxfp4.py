@@ -110,7 +110,8 @@ def dequantize_mxfp4(
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     out_features, half_in = weight_packed.shape
     device = weight_packed.device
-    values = BYTE_TO_PAIR.to(device=device, dtype=dtype)[weight_packed.long()].reshape(out_features, -1, GROUP_SIZE)
+    pairs = torch.nn.functional.embedding(weight_packed.long(), BYTE_TO_PAIR.to(device=device, dtype=dtype))
+    values = pairs.reshape(out_features, -1, GROUP_SIZE)
     scale = E8M0_VALUES.to(device=device)[weight_scale.long()].to(dtype)
     return (values * scale.unsqueeze(-1)).reshape(out_features, 2 * half_in)
 
