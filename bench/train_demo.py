@@ -57,13 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3LatentMoE, KimiK3Router, situ_glu  # noqa: E402
-from reap_tools.tiny import MODEL_CODE  # noqa: E402
-
-AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-    "AutoModel": "modeling_kimi_k3.KimiK3Model",
-    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
-}
+from reap_tools.tiny import AUTO_MAP, MODEL_CODE  # noqa: E402
 # Every file the demo directory shares with the repository root, as byte copies (tests/test_demo.py checks them):
 # the model's remote code (reap_tools.tiny.MODEL_CODE, kept by the model engineer) and the tokenizer's files.
 TOKENIZER_CODE = ("tokenization_kimi_k3.py", "kimi_k3_parsing.py", "chat_template.jinja")
