@@ -176,6 +176,7 @@ def decode_cache(text, layer, batch, seed):
 
         def reset():
             cache.latents[i] = latent
+            cache.seen_tokens = CONTEXT
 
         state_bytes = nbytes([latent]) + nbytes([latent[:, :1]])
     reset()

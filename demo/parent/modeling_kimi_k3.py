@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 try:
     from .configuration_kimi_k3 import KimiK3Config
@@ -30,6 +31,7 @@ except ImportError:  # imported from the repository root rather than as transfor
     from mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts
 
+logger = logging.get_logger(__name__)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Activations and norms
@@ -158,20 +160,18 @@ class KimiK3DeltaAttention(nn.Module):
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)  # padding leaves state and conv history at 0
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        conv_states = cache.conv_states[self.layer_idx] if cache is not None else None
+        conv_states, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
         conv_states = conv_states or (None, None, None)
         q, q_state = self.q_conv1d(self.q_proj(x), conv_states[0])
         k, k_state = self.k_conv1d(self.k_proj(x), conv_states[1])
         v, v_state = self.v_conv1d(self.v_proj(x), conv_states[2])
         g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
-        state = cache.recurrent_states[self.layer_idx] if cache is not None else None
         # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, self.b_proj(x),
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
                                state, decode=length == 1 and state is not None)
         if cache is not None:
-            cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)
-            cache.recurrent_states[self.layer_idx] = state
+            cache.update_kda(self.layer_idx, (q_state, k_state, v_state), state)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(heads)
         return self.o_proj(o.reshape(batch, length, -1))
 
@@ -207,22 +207,24 @@ class KimiK3MLAttention(nn.Module):
             self.g_proj = nn.Linear(hidden, self.num_heads * self.v_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
 
-    def forward(self, x, attention_mask=None, cache=None):
-        """x: [B, T, H]; attention_mask: [B, past + T] over all cached and new tokens (0 = padding), or None."""
+    def forward(self, x, attention_mask=None, cache=None, positions=None):
+        """x: [B, T, H]; attention_mask: [B, keys] over all cached and new tokens (0 = padding), or None;
+        positions: [T] the new tokens' absolute positions (default: right after the cached ones)."""
         batch, length, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
-        past = cache.latents[self.layer_idx] if cache is not None else None
-        if past is not None:
-            latent = torch.cat([past, latent], dim=1)
+        if positions is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            positions = torch.arange(past, past + length, device=x.device)
         if cache is not None:
-            cache.latents[self.layer_idx] = latent
-        mask = _causal_padding_mask(attention_mask, batch, length, latent.shape[1], x.device)
+            latent = cache.update_latent(self.layer_idx, latent, positions)  # every key these queries may see
+        mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
         # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
         # own forward, so an offloaded (meta) weight takes the expanding path.
-        absorb = past is not None and length <= self.ABSORB_MAX_QUERIES and self.kv_b_proj.weight.device.type != "meta"
+        absorb = (latent.shape[1] > length and length <= self.ABSORB_MAX_QUERIES
+                  and self.kv_b_proj.weight.device.type != "meta")
         attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         if self.use_output_gate:
@@ -257,14 +259,18 @@ class KimiK3MLAttention(nn.Module):
         return torch.einsum("bhqr,hvr->bhqv", torch.einsum("bhqk,bkr->bhqr", probs, c), w_uv)
 
 
-def _causal_padding_mask(attention_mask, batch, queries, keys, device):
-    """Boolean [B, 1, Tq, Tk]: causal, padding keys hidden; each query also sees itself so no row is empty."""
-    q_pos = torch.arange(keys - queries, keys, device=device)[:, None]
-    k_pos = torch.arange(keys, device=device)[None, :]
-    mask = (k_pos <= q_pos).expand(batch, -1, -1)
+def _causal_padding_mask(attention_mask, positions, keys):
+    """Boolean [B or 1, 1, Tq, keys] for queries at absolute `positions` over keys 0..keys-1: causal, padding keys
+    hidden; each query also sees itself so no row is empty. Key slots past the queries (a static cache's unused
+    tail) fall under the causal part."""
+    q_pos = positions[:, None]
+    k_pos = torch.arange(keys, device=positions.device)[None, :]
+    mask = k_pos <= q_pos
     if attention_mask is not None:
-        valid = attention_mask.bool()[:, None, -keys:]
+        valid = attention_mask.bool()[:, None, :keys]
         mask = mask & (valid | (k_pos == q_pos))
+    else:
+        mask = mask[None]
     return mask.unsqueeze(1)
 
 
@@ -422,16 +428,21 @@ class KimiK3DecoderLayer(nn.Module):
         else:
             self.mlp = KimiK3MLP(config, config.intermediate_size)
 
-    def forward(self, bank, partial, attention_mask=None, cache=None):
+    def forward(self, bank, partial, attention_mask=None, cache=None, positions=None):
+        """attention_mask: [B, keys] over cached and new tokens, or None; positions: [T] absolute positions of the
+        new tokens (default: right after the cached ones)."""
+        if positions is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            positions = torch.arange(past, past + partial.shape[1], device=partial.device)
         sources = list(bank) + [partial]
         h = attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj)
         if self.opens_block:
             bank, partial = tuple(bank) + (partial,), None
-        token_mask = attention_mask[:, -h.shape[1] :] if attention_mask is not None else None
         if isinstance(self.self_attn, KimiK3DeltaAttention):
+            token_mask = attention_mask[:, positions] if attention_mask is not None else None
             a = self.self_attn(self.input_layernorm(h), token_mask, cache)
         else:
-            a = self.self_attn(self.input_layernorm(h), attention_mask, cache)
+            a = self.self_attn(self.input_layernorm(h), attention_mask, cache, positions)
         partial = a if partial is None else partial + a
         h = attn_res_mix(list(bank) + [partial], self.mlp_res_norm, self.mlp_res_proj)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
@@ -445,11 +456,13 @@ class KimiK3DecoderLayer(nn.Module):
 
 class KimiK3Cache:
     """Hybrid generation cache: per KDA layer the three conv histories and the fp32 recurrent state, per MLA layer
-    the compressed latent [B, T, kv_lora_rank + qk_rope_head_dim]. Entries are created on each layer's device."""
+    the compressed latent [B, T, kv_lora_rank + qk_rope_head_dim], which grows by concatenation. Entries are created
+    on each layer's device. Layers reach it only through `prepare`, `kda_state`, `update_kda` and `update_latent`."""
 
     is_compileable = False
 
     def __init__(self, config):
+        config = getattr(config, "text_config", config)
         layers = config.num_hidden_layers
         self.conv_states = [None] * layers
         self.recurrent_states = [None] * layers
@@ -458,6 +471,24 @@ class KimiK3Cache:
 
     def get_seq_length(self, layer_idx=0):
         return self.seen_tokens
+
+    def prepare(self, attention_mask, batch, length, device):
+        """Check a call's mask and return (mask over every key, absolute positions [length] of the new tokens)."""
+        _check_mask(attention_mask, self.seen_tokens + length)
+        return attention_mask, torch.arange(self.seen_tokens, self.seen_tokens + length, device=device)
+
+    def kda_state(self, layer_idx):
+        return self.conv_states[layer_idx], self.recurrent_states[layer_idx]
+
+    def update_kda(self, layer_idx, conv_states, recurrent_state):
+        self.conv_states[layer_idx] = conv_states
+        self.recurrent_states[layer_idx] = recurrent_state
+
+    def update_latent(self, layer_idx, latent, positions):
+        """Append the new tokens' latents; returns all of this layer's keys [B, keys, width]."""
+        past = self.latents[layer_idx]
+        self.latents[layer_idx] = latent if past is None else torch.cat([past, latent], dim=1)
+        return self.latents[layer_idx]
 
     def reorder_cache(self, beam_idx):
         """Select batch rows (beam search)."""
@@ -468,6 +499,109 @@ class KimiK3Cache:
         self.latents = [None if t is None else pick(t) for t in self.latents]
         self.recurrent_states = [None if t is None else pick(t) for t in self.recurrent_states]
         self.conv_states = [None if s is None else tuple(pick(t) for t in s) for s in self.conv_states]
+
+
+def _check_mask(attention_mask, expected):
+    if attention_mask is not None and attention_mask.shape[-1] != expected:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = {expected}")
+
+
+def _capturing():
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class KimiK3StaticCache(KimiK3Cache):
+    """Preallocated cache for up to `max_length` tokens of `batch_size` rows, updated in place, so that a decode
+    step reads and writes the same addresses every time and can be replayed as a CUDA graph.
+
+    MLA latents are written into [B, max_length, width] buffers at the tokens' positions (the unused tail is masked
+    as future keys); KDA states are copied into their buffers. The attention mask and the position counter live in
+    device buffers too. With `cuda_graph=True` (and the model on one CUDA device), `KimiK3ForCausalLM` runs each
+    one-token step through `decode_step`: the first eagerly (it warms up kernels and libraries), the second is
+    captured, the rest are replays. Pass it to `generate(past_key_values=...)`.
+    """
+
+    def __init__(self, config, batch_size, max_length, cuda_graph=True):
+        super().__init__(config)
+        self.batch_size, self.max_length, self.cuda_graph = batch_size, max_length, cuda_graph
+        self.mask = None  # [B, max_length] bool: 1 = a real token
+        self.position = None  # long scalar: tokens cached before the current call
+        self.graph = self.graph_ids = self.graph_logits = None
+        self.warm = False
+
+    def prepare(self, attention_mask, batch, length, device):
+        end = self.seen_tokens + length
+        if end > self.max_length:
+            raise ValueError(f"KimiK3StaticCache holds {self.max_length} tokens; this call needs {end}")
+        _check_mask(attention_mask, end)
+        if batch != self.batch_size:
+            raise ValueError(f"KimiK3StaticCache is for batch {self.batch_size}, this call has {batch} rows")
+        if self.mask is None:
+            self.mask = torch.ones(self.batch_size, self.max_length, dtype=torch.bool, device=device)
+            self.position = torch.zeros((), dtype=torch.long, device=device)
+        if not _capturing():  # a graph replay finds them written by `decode_step`
+            self._write_inputs(attention_mask, end)
+        return self.mask, self.position + torch.arange(length, device=device)
+
+    def _write_inputs(self, attention_mask, end):
+        self.position.fill_(self.seen_tokens)
+        if attention_mask is None:
+            self.mask[:, :end] = True
+        else:
+            self.mask[:, :end].copy_(attention_mask)
+
+    def update_kda(self, layer_idx, conv_states, recurrent_state):
+        if self.recurrent_states[layer_idx] is None:
+            super().update_kda(layer_idx, tuple(c.clone() for c in conv_states), recurrent_state.clone())
+            return
+        for buffer, new in zip(self.conv_states[layer_idx] + (self.recurrent_states[layer_idx],),
+                               conv_states + (recurrent_state,)):
+            buffer.copy_(new)
+
+    def update_latent(self, layer_idx, latent, positions):
+        buffer = self.latents[layer_idx]
+        if buffer is None:
+            buffer = self.latents[layer_idx] = latent.new_zeros(self.batch_size, self.max_length, latent.shape[-1])
+        return buffer.index_copy_(1, positions, latent)
+
+    def reorder_cache(self, beam_idx):
+        """Select batch rows (beam search), in place."""
+        buffers = [t for t in self.latents + self.recurrent_states if t is not None]
+        buffers += [t for s in self.conv_states if s is not None for t in s]
+        for t in buffers + ([self.mask] if self.mask is not None else []):
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def decode_step(self, step, input_ids, attention_mask):
+        """`step(input_ids, attention_mask) -> logits` for one new token per row, replayed from a CUDA graph once
+        warm. Falls back to eager calls (with a warning) where the step cannot be captured."""
+        if not (self.cuda_graph and input_ids.is_cuda and self.seen_tokens > 0):
+            return step(input_ids, attention_mask)
+        if self.graph is None:
+            if not self.warm:
+                self.warm = True
+                return step(input_ids, attention_mask)
+            self._capture(step, input_ids, attention_mask)
+            if self.graph is None:
+                return step(input_ids, attention_mask)
+        self.prepare(attention_mask, input_ids.shape[0], 1, input_ids.device)
+        self.graph_ids.copy_(input_ids)
+        self.graph.replay()
+        self.seen_tokens += 1
+        return self.graph_logits.clone()
+
+    def _capture(self, step, input_ids, attention_mask):
+        seen, ids = self.seen_tokens, input_ids.clone()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                logits = step(ids, attention_mask)
+        except RuntimeError as err:  # e.g. a host sync in a path without a CUDA kernel (reference experts)
+            logger.warning(f"KimiK3StaticCache: decode step not capturable, running it eagerly ({err})")
+            self.cuda_graph = False
+        else:
+            self.graph, self.graph_ids, self.graph_logits = graph, ids, logits
+        finally:
+            self.seen_tokens = seen  # capturing ran the Python side of one step without running it on the GPU
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -497,15 +631,15 @@ class KimiK3TextModel(nn.Module):
         cache = past_key_values
         if use_cache and cache is None:
             cache = KimiK3Cache(self.config)
-        if attention_mask is not None:
-            expected = (cache.get_seq_length() if cache is not None else 0) + inputs_embeds.shape[1]
-            if attention_mask.shape[-1] != expected:
-                raise ValueError(
-                    f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = {expected}"
-                )
+        length, device = inputs_embeds.shape[1], inputs_embeds.device
+        if cache is not None:
+            attention_mask, positions = cache.prepare(attention_mask, inputs_embeds.shape[0], length, device)
+        else:
+            _check_mask(attention_mask, length)
+            positions = torch.arange(length, device=device)
         bank, partial = (), inputs_embeds
         for layer in self.layers:
-            bank, partial = layer(bank, partial, attention_mask, cache)
+            bank, partial = layer(bank, partial, attention_mask, cache, positions)
         sources = [s.to(partial.device) for s in bank] + [partial]
         hidden = self.norm(attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj))
         if cache is not None:
@@ -700,11 +834,17 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None, labels=None,
                 use_cache=None, logits_to_keep=0, return_dict=True, **kwargs):
         _reject_unsupported_outputs(kwargs)
-        hidden, cache = self.language_model.model(input_ids, inputs_embeds, attention_mask, past_key_values,
-                                                  bool(use_cache))
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        logits = self.language_model.lm_head(hidden)
+        cache = past_key_values
+
+        def step(ids, mask):
+            nonlocal cache  # created by the decoder when use_cache is set and none was passed
+            hidden, cache = self.language_model.model(ids, inputs_embeds, mask, cache, bool(use_cache))
+            return self.language_model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+
+        if isinstance(cache, KimiK3StaticCache) and input_ids is not None and input_ids.shape[1] == 1:
+            logits = cache.decode_step(step, input_ids, attention_mask)  # a CUDA-graph replay once warm
+        else:
+            logits = step(input_ids, attention_mask)
         loss = None
         if labels is not None:
             shifted = labels[:, 1:].to(logits.device)
@@ -727,4 +867,4 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         return inputs
 
 
-__all__ = ["KimiK3Model", "KimiK3ForCausalLM", "KimiK3PreTrainedModel", "KimiK3Cache"]
+__all__ = ["KimiK3Model", "KimiK3ForCausalLM", "KimiK3PreTrainedModel", "KimiK3Cache", "KimiK3StaticCache"]
