@@ -386,15 +386,18 @@ def _cfg(bm, w13, w2, upcast, atomic=False, fast_math=False):
     return dict(BM=bm, w13=w13, w2=w2, upcast=upcast, atomic=atomic, fast_math=fast_math)
 
 
+# The inline-PTX and fp32-dequant MMA variants lost to dot_scaled in the first H200 run (bench/results/layer_h200.md)
+# and are no longer swept at decode; the CUDA-core "gemv" kernels are.
 DECODE_VARIANTS = {
-    "dot_scaled_bn64_bk128": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "dot_scaled"),
     "dot_scaled_fastmath": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "dot_scaled", fast_math=True),
-    "asm_bn64_bk128": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "asm"),
-    "asm_swap_bn64_bk128": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "asm_swap"),
-    "asm_swap_bn128_bk128": _cfg(16, (128, 128, 4, 3), (128, 128, 4, 3), "asm_swap"),
-    "asm_swap_bn64_bk256": _cfg(16, (64, 256, 4, 3), (64, 256, 4, 3), "asm_swap"),
-    "asm_swap_bn64_bk128_atomic": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "asm_swap", atomic=True),
-    "manual_bn64_bk128": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "manual"),
+    "gemv_bm1_bn32_bk256": _cfg(1, (32, 256, 4, 2), (32, 256, 4, 2), "gemv"),
+    "gemv_bm1_bn64_bk128": _cfg(1, (64, 128, 4, 2), (64, 128, 4, 2), "gemv"),
+    "gemv_bm1_bn16_bk512": _cfg(1, (16, 512, 4, 2), (16, 512, 4, 2), "gemv"),
+    "gemv_bm1_bn32_bk256_w8": _cfg(1, (32, 256, 8, 2), (32, 256, 8, 2), "gemv"),
+    "gemv_bm1_bn32_bk256_s3": _cfg(1, (32, 256, 4, 3), (32, 256, 4, 3), "gemv"),
+    "gemv_bm1_bn32_bk128_w2": _cfg(1, (32, 128, 2, 2), (32, 128, 2, 2), "gemv"),
+    "gemv_bm2_bn32_bk128": _cfg(2, (32, 128, 4, 2), (32, 128, 4, 2), "gemv"),
+    "gemv_bm4_bn32_bk128": _cfg(4, (32, 128, 4, 2), (32, 128, 4, 2), "gemv"),
 }
 PREFILL_VARIANTS = {
     "dot_scaled_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled"),
@@ -464,8 +467,9 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "layer_h200.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="skip sections once past this")
-    parser.add_argument("--sections", default="sweep,kda,decode,prefill",
-                        help="comma list: sweep (MXFP4 kernel variants; the fastest correct one is then used), "
+    parser.add_argument("--sections", default="sweep,psweep,kda,decode,prefill",
+                        help="comma list: sweep / psweep (MXFP4 kernel variants at decode / prefill; the fastest "
+                             "correct one is then used), "
                              "kda (fla chunk_kda safe_gate on/off), decode, prefill")
     parser.add_argument("--no-prefill-reference", action="store_true")
     parser.add_argument("--smoke", action="store_true",
@@ -548,6 +552,8 @@ def main(argv=None):
                     best = min(totals, key=totals.get)
                     mxfp4_triton.CONFIGS["decode"] = DECODE_VARIANTS[best]
                     results["chosen_decode_config"] = {"name": best, **DECODE_VARIANTS[best]}
+                save()
+            if kind == "kda" and "psweep" in sections and not over_budget():
                 r = bench_expert_gemms(text, layer, prefill_lengths[-1], ceil, max(3, reps // 5), seed=7,
                                        configs=PREFILL_VARIANTS)
                 results["mxfp4_prefill_sweep"] = r

@@ -1,5 +1,5 @@
 """CUDA fast paths against the torch reference on the same weights: Triton MXFP4 experts, fla KDA, absorbed MLA,
-and greedy decoding of a small random model. Skipped (with the reason shown) without a CUDA device.
+greedy decoding of a small random model, and CUDA-graph decode through the static cache. Skipped (with the reason shown) without a CUDA device.
 
 `KIMI_K3_QUICK_TUNE=1` trims fla's autotuners to one configuration each (see `kda.quick_tune`), for runs on a
 rationed GPU. KDA is tested at the release's head shape (96 x 128), so its kernels compile once for the tests and
@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
-from modeling_kimi_k3 import KimiK3LatentMoE, KimiK3MLAttention  # noqa: E402
+import modeling_kimi_k3  # noqa: E402
+from modeling_kimi_k3 import KimiK3LatentMoE, KimiK3MLAttention, KimiK3StaticCache  # noqa: E402
 from reap_tools.tiny import random_model, tiny_config  # noqa: E402
 
 DEVICE = "cuda"
@@ -80,10 +81,11 @@ def test_mxfp4_moe_block_matches_reference(tokens):
 
 @pytest.mark.parametrize("upcast,atomic,config", [
     (u, False, c) for u in ("dot_scaled", "manual", "asm", "asm_swap") for c in ("decode", "prefill")
-] + [("dot_scaled", True, "decode"), ("asm_swap", True, "decode"), ("asm", True, "prefill")])
+] + [("dot_scaled", True, "decode"), ("asm_swap", True, "decode"), ("asm", True, "prefill"),
+     ("gemv", False, "gemv_bm1"), ("gemv", False, "gemv_bm4")])
 def test_mxfp4_kernel_variants(upcast, atomic, config):
     moe = moe_block(seed=1)
-    tokens = 5 if config == "decode" else 200
+    tokens = 200 if config == "prefill" else 5
     z = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(16, device=DEVICE)[:4] for _ in range(tokens)])
     weights = torch.rand(tokens, 4, device=DEVICE)
@@ -93,8 +95,9 @@ def test_mxfp4_kernel_variants(upcast, atomic, config):
             token, slot = (ids == e).nonzero(as_tuple=True)
             ref.index_add_(0, token, moe.experts[e](z[token]).float() * weights[token, slot, None])
         stack = mxfp4_triton.stack_experts(moe)
-        out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, config=mxfp4_triton.CONFIGS[config],
-                                       upcast=upcast, atomic=atomic)
+        conf = mxfp4_triton.CONFIGS.get(config) or dict(BM=int(config[-1]), w13=(32, 256, 4, 2), w2=(32, 256, 4, 2))
+        out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, config=conf, upcast=upcast,
+                                       atomic=atomic)
     err = rel(out, ref)
     print(f"mxfp4 {upcast} {config} atomic={atomic}: rel err {err:.2e}")
     assert err < BF16_TOL
@@ -190,3 +193,57 @@ def test_greedy_64_steps_fast_vs_reference():
     # the check is per step on one sequence: mostly the same argmax, and never a token the reference ranks far off.
     # Measured on the H200 with these defaults: 98 % agreement, largest gap 0.018 std.
     assert agree >= 0.9 and gap.max().item() <= 0.1, gap.tolist()
+
+
+def test_fla_kda_matches_reference_on_the_model_activations():
+    """Each KDA call of a small bf16 model (prefill, then decode steps) run both ways on the same inputs."""
+    if not kda.available(DEVICE):
+        pytest.skip("fla-core is not importable here")
+    model = small_model()
+    errors = []
+
+    def both(*args, **kwargs):
+        kda.ENABLED = False
+        ref_o, ref_s = kda.kda_forward(*args, **kwargs)
+        kda.ENABLED = True
+        o, s = kda.kda_forward(*args, **kwargs)
+        errors.append((args[0].shape[1], rel(o, ref_o), rel(s, ref_s)))
+        return o, s
+
+    prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device=DEVICE)
+    original = modeling_kimi_k3.kda_forward
+    modeling_kimi_k3.kda_forward = both
+    try:
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=6, do_sample=False)
+    finally:
+        modeling_kimi_k3.kda_forward = original
+        kda.ENABLED = True
+    worst = max(errors, key=lambda e: max(e[1:]))
+    print(f"fla kda in model: {len(errors)} calls, worst (T, o, state) = {worst}")
+    assert all(o < BF16_TOL and s < BF16_TOL for _, o, s in errors), errors
+
+
+def test_static_cache_graph_decode_matches_eager():
+    model = small_model()
+    prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],
+                          device=DEVICE)
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    kda_default, kda.ENABLED = kda.ENABLED, False  # the default paths
+    try:
+        with torch.no_grad():
+            runs = {}
+            for graph in (False, True):
+                cache = KimiK3StaticCache(model.config, batch_size=2, max_length=48, cuda_graph=graph)
+                runs[graph] = model.generate(prompt, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                                             past_key_values=cache)
+                assert (cache.graph is not None) == graph
+            growing = model.generate(prompt, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    finally:
+        kda.ENABLED = kda_default
+    agree = float((growing == runs[True]).float().mean())
+    print(f"static-cache graph decode: identical to eager static: {torch.equal(runs[True], runs[False])}; "
+          f"token agreement with the growing cache {agree:.0%}")
+    assert torch.equal(runs[True], runs[False])
+    assert agree >= 0.9

@@ -1,0 +1,323 @@
+"""Whole-model decode at the release's real width on one GPU: as many decoder layers as fit, CUDA-graph replay.
+
+Builds `KimiK3ForCausalLM` from the root `config.json` (hidden 7168, vocab 163,840, 320 MXFP4 experts a MoE layer)
+on the meta device, keeps its first N decoder layers (as many as fit in the GPU's free memory, or `--layers`),
+materialises them on the GPU with random weights (MXFP4 packs: random bytes, scale codes 114..123), prefills
+`--context` random tokens through a `KimiK3StaticCache`, then times decode steps at batch 1 and 8:
+  * eager: the model's forward on the static cache with graphs off (the fast kernels, launched one by one);
+  * graph: the same step replayed from one CUDA graph (`KimiK3StaticCache(cuda_graph=True)`, what generate runs);
+each next to the bandwidth floor = bytes the step must move (every non-expert weight, the LM head, one embedding
+row per sequence, the routed experts the router actually picked in that step, KDA state read + write, the MLA
+latents of the real tokens) / device copy bandwidth measured in the same run. With `--profile` it also prints the
+kernels of one eager step by total time. Prints one line per measurement and writes everything as JSON.
+
+    python bench/decode.py --out bench/results/decode_h200.json [--layers N] [--context 2048] [--steps 16]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import kda  # noqa: E402
+import mxfp4_triton  # noqa: E402
+from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3StaticCache, MXFP4Linear  # noqa: E402
+
+GiB = 1 << 30
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def copy_bandwidth():
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(2):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * a.numel() / (statistics.median(times) * 1e-3)
+
+
+def layer_bytes(model):
+    """Bytes of each decoder layer's parameters (meta tensors count too)."""
+    return [nbytes(list(layer.parameters())) for layer in model.language_model.model.layers]
+
+
+def truncated(config, layers):
+    """The release config cut to its first `layers` decoder layers (layer kinds and expert counts kept)."""
+    d = config.to_dict()
+    text = d["text_config"]
+    text["num_hidden_layers"] = layers
+    lac = text["linear_attn_config"]
+    for key in ("full_attn_layers", "kda_layers"):
+        lac[key] = [i for i in lac[key] if i <= layers]  # 1-based layer numbers
+    return KimiK3Config(**d)
+
+
+def build(config, layers, seed=0, device="cuda"):
+    """The first `layers` decoder layers of the real model, on `device`, random weights, experts stacked."""
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = KimiK3ForCausalLM(truncated(config, layers))
+    finally:
+        torch.set_default_dtype(previous)
+    text = model.language_model.model
+    model.to_empty(device=device)
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MXFP4Linear):
+                continue  # filled through the stacks below (pack_ would quantize on the host)
+            if not list(module.children()) or hasattr(module, "A_log"):
+                model._init_weights(module)
+        for layer in text.layers:
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is None:
+                continue
+            moe.gate.weight.normal_(0.0, 0.02)
+            stack = mxfp4_triton.stack_experts(moe)  # the per-expert packs become views of these stacks
+            for packed in (stack.w1, stack.w3, stack.w2):
+                packed.random_(0, 256)
+            for scale in (stack.s1, stack.s3, stack.s2):
+                scale.random_(114, 124)
+        for name in ("self_attention_res_proj", "mlp_res_proj"):
+            for layer in text.layers:
+                getattr(layer, name).weight.normal_(0.0, 0.02)
+    return model
+
+
+class Routes:
+    """Expert ids each MoE gate picked in the last forward (forward hooks)."""
+
+    def __init__(self, model):
+        self.ids, self.handles = {}, []
+        for layer in model.language_model.model.layers:
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None:
+                self.handles.append(moe.gate.register_forward_hook(self.hook(layer.layer_idx)))
+
+    def hook(self, index):
+        def record(module, args, output):
+            self.ids[index] = output[0].detach()
+
+        return record
+
+    def unique_experts(self):
+        return sum(int(ids.unique().numel()) for ids in self.ids.values())
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def floor_bytes(model, batch, context, unique_experts):
+    text = model.language_model.model
+    total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            continue
+        if name.endswith("embed_tokens.weight"):
+            total += batch * p.shape[1] * p.element_size()
+        else:
+            total += nbytes([p])
+    expert = text.layers[1].block_sparse_moe.experts[0]
+    total += unique_experts * nbytes(list(expert.parameters()))
+    for layer in text.layers:
+        attn = layer.self_attn
+        if hasattr(attn, "A_log"):
+            width = attn.num_heads * attn.head_dim
+            total += 2 * batch * attn.num_heads * attn.head_dim**2 * 4  # fp32 state, read + write
+            total += 2 * 3 * batch * width * 3 * 2  # three conv histories of kernel - 1 steps, bf16, read + write
+        else:
+            total += batch * (context + 1) * (attn.kv_lora_rank + attn.rope_dim) * 2
+    return total
+
+
+def prefill(model, cache, ids, chunk):
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+
+
+def time_steps(model, cache, steps, batch, vocab, gen):
+    """Per-step milliseconds of `steps` one-token forwards (each a real step: the cache advances)."""
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.randint(0, vocab, (batch, 1), device="cuda", generator=gen)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(ids, past_key_values=cache, use_cache=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    return times
+
+
+def profile_step(model, cache, batch, vocab, top=25):
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, vocab, (batch, 1), device="cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(ids, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        cuda_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if cuda_us:
+            rows.append((e.key[:90], e.count, cuda_us / 1e3))
+    rows.sort(key=lambda r: -r[2])
+    kernels = sum(r[1] for r in rows)
+    return {"kernel_launches": kernels, "kernel_ms": sum(r[2] for r in rows),
+            "top": [{"name": n, "count": c, "ms": ms} for n, c, ms in rows[:top]]}
+
+
+def compile_blocks():
+    """Experiment: `torch.compile` the model's elementwise building blocks in place (norms, depth mixes, SiTU,
+    router, KDA gate and decode step), so that the graph replays fused kernels instead of chains of small ones."""
+    import modeling_kimi_k3 as m
+
+    torch._dynamo.config.cache_size_limit = 64
+    m.attn_res_mix = torch.compile(m.attn_res_mix, dynamic=False)
+    m.situ_glu = torch.compile(m.situ_glu, dynamic=False)
+    for cls in (m.KimiK3RMSNorm, m.KimiK3Router):
+        cls.forward = torch.compile(cls.forward, dynamic=False)
+    kda.recurrent_kda = torch.compile(kda.recurrent_kda, dynamic=False)
+    kda.kda_gate = torch.compile(kda.kda_gate, dynamic=False)
+
+
+def run_modes(model, config, batch, modes, args, bandwidth, results, save):
+    vocab = config.text_config.vocab_size
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    prompt = torch.randint(0, vocab, (batch, args.context), device="cuda", generator=gen)
+    routes = Routes(model)
+    entry = results.setdefault(f"b{batch}", {})
+    max_length = args.context + 2 * args.steps + 8
+    try:
+        for name, graph, fla in modes:
+            kda.ENABLED = fla
+            cache = KimiK3StaticCache(model.config, batch, max_length, cuda_graph=graph)
+            t0 = time.time()
+            prefill(model, cache, prompt, args.chunk)
+            prefill_s = time.time() - t0
+            warm = 3 if graph else 1  # graph: eager warm-up step, capture step, then replays
+            time_steps(model, cache, warm, batch, vocab, gen)
+            if graph and cache.graph is None:
+                entry[name] = {"error": "the step was not captured (see the warning above)"}
+                continue
+            times = time_steps(model, cache, args.steps, batch, vocab, gen)
+            floor = floor_bytes(model, batch, cache.get_seq_length(), routes.unique_experts())
+            ms = statistics.median(times)
+            floor_ms = floor / bandwidth * 1e3
+            entry[name] = {"step_ms_median": ms, "step_ms_min": min(times), "floor_ms": floor_ms,
+                           "fraction_of_floor": floor_ms / ms, "floor_bytes": floor,
+                           "unique_experts_last_step": routes.unique_experts(), "prefill_s": prefill_s}
+            print(f"b{batch} {name:16s}: {ms:8.3f} ms/step (min {min(times):.3f}), floor {floor_ms:.3f} ms "
+                  f"-> {floor_ms / ms:.0%} of floor; experts hit {routes.unique_experts()}; prefill "
+                  f"{args.context} tokens {prefill_s:.1f} s", flush=True)
+            if args.profile and name == "eager" and batch == 1:
+                entry["profile_eager"] = profile_step(model, cache, batch, vocab)
+                p = entry["profile_eager"]
+                print(f"profile b{batch} eager step: {p['kernel_launches']} kernels, {p['kernel_ms']:.3f} ms of "
+                      "kernel time", flush=True)
+                for row in p["top"]:
+                    print(f"   {row['ms']:8.3f} ms  x{row['count']:4d}  {row['name']}")
+            del cache
+            torch.cuda.empty_cache()
+            save()
+    finally:
+        kda.ENABLED = False
+        routes.remove()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "decode_h200.json"))
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers to keep (default: as many as fit)")
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens cached before the decode steps")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (bounds activation memory)")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--headroom-gib", type=float, default=14.0)
+    parser.add_argument("--fla", action="store_true", help="also time with fla-core's KDA kernels on")
+    parser.add_argument("--profile", action="store_true", help="kernel table of one eager step at batch 1")
+    parser.add_argument("--compile-blocks", action="store_true",
+                        help="then also time graphs of torch.compile'd building blocks (an experiment)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/decode.py needs a CUDA device", file=sys.stderr)
+        return 2
+    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
+        kda.quick_tune(1)
+    started = time.time()
+    config = KimiK3Config.from_pretrained(ROOT)
+    with torch.device("meta"):
+        sizes = layer_bytes(KimiK3ForCausalLM(config))
+    free, total = torch.cuda.mem_get_info()
+    fixed = 2 * config.text_config.vocab_size * config.text_config.hidden_size * 2  # embeddings + LM head, bf16
+    layers = args.layers
+    if layers is None:
+        budget, layers = free - fixed - args.headroom_gib * GiB, 0
+        while layers < len(sizes) and sum(sizes[: layers + 1]) <= budget:
+            layers += 1
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": layers,
+               "layer_types": config.text_config.layer_types[:layers], "context": args.context,
+               "gpu_free_GiB_at_start": free / GiB, "weights_GiB": (sum(sizes[:layers]) + fixed) / GiB,
+               "mxfp4_decode_config": mxfp4_triton.CONFIGS["decode"], "kda_fla_default": kda.ENABLED}
+
+    def save():
+        results["elapsed_s"] = time.time() - started
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    results["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9
+    print(f"{layers} of {len(sizes)} layers ({results['weights_GiB']:.1f} GiB of weights) on "
+          f"{results['device']}; copy bandwidth {results['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
+    t0 = time.time()
+    model = build(config, layers)
+    results["build_s"] = time.time() - t0
+    print(f"built in {results['build_s']:.0f} s; GPU memory in use {torch.cuda.memory_allocated() / GiB:.1f} GiB",
+          flush=True)
+    save()
+    modes = [("eager", False, False), ("graph", True, False)] + ([("graph fla-kda", True, True)] if args.fla else [])
+    rounds = [modes] + ([[("graph compiled", True, False)]] if args.compile_blocks else [])
+    for i, round_modes in enumerate(rounds):
+        if i:
+            compile_blocks()
+        for batch in (int(b) for b in args.batches.split(",")):
+            try:
+                run_modes(model, config, batch, round_modes, args, results["copy_bandwidth_GBps"] * 1e9, results,
+                          save)
+            except Exception:
+                results[f"b{batch}_error"] = traceback.format_exc()[-3000:]
+                print(results[f"b{batch}_error"], flush=True)
+            save()
+    print(f"elapsed {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
