@@ -109,11 +109,13 @@ _fla = None
 
 
 def _load():
-    """fla's two KDA entry points, or None where fla-core (or its Triton) cannot be imported."""
+    """fla's KDA prefill and decode entry points, or None where fla-core (or its Triton) cannot be imported. The
+    decode one is fla's forward function under `fused_recurrent_kda`, which can also update the state in place."""
     global _fla
     if _fla is None:
         try:
-            from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
+            from fla.ops.kda import chunk_kda as fla_chunk
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_recurrent
 
             _fla = (fla_chunk, fla_recurrent)
         except Exception:  # ImportError, or fla refusing the platform
@@ -130,9 +132,12 @@ def available(device=None):
     return _load() is not None
 
 
-def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, decode=False):
+def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, decode=False,
+                in_place=False):
     """KDA core. q, k, g_raw: [B, T, H, K]; v: [B, T, H, V]; beta_raw: [B, T, H] (logits); A_log: [H];
-    dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `decode` selects the step-by-step kernel.
+    dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `decode` selects the step-by-step kernel;
+    `in_place` lets fla's decode kernel write the new state over `initial_state` (a static cache's buffer; the
+    reference path always returns a new tensor).
 
     Returns (o [B, T, H, V] in v's dtype on the fla path, fp32 on the reference path; state [B, H, K, V] fp32).
     """
@@ -160,7 +165,8 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
         lower_bound=lower_bound,
     )
     if decode:
-        o, state = fla_recurrent(q, k, v.contiguous(), g_raw, beta_raw, **common)
+        in_place = in_place and initial_state is not None
+        o, state = fla_recurrent(q, k, v.contiguous(), g_raw, beta_raw, inplace_final_state=in_place, **common)
     else:
         safe = SAFE_GATE is not False and lower_bound is not None and -5 <= lower_bound < 0
         o, state = fla_chunk(q, k, v.contiguous(), g_raw, beta_raw, safe_gate=safe, **common)

@@ -54,9 +54,8 @@ class KimiK3RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (x * self.weight.float()).to(hidden_states.dtype)
+        x = F.rms_norm(hidden_states.float(), self.weight.shape, self.weight.float(), self.variance_epsilon)
+        return x.to(hidden_states.dtype)
 
 
 class KimiK3MLP(nn.Module):
@@ -85,7 +84,7 @@ def attn_res_mix(sources, norm, proj):
     """
     if len(sources) == 1:
         return sources[0]
-    stacked = torch.stack([s.float() for s in sources])  # [n, B, T, H]
+    stacked = torch.stack(sources).float()  # [n, B, T, H]
     weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
     return (weights * stacked).sum(0).to(sources[-1].dtype)
 
@@ -98,7 +97,7 @@ class KimiK3AttnResProj(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
     def forward(self, x):
-        return (x.float() * self.weight[0].float()).sum(-1)
+        return x.float() @ self.weight[0].float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,7 +168,8 @@ class KimiK3DeltaAttention(nn.Module):
         # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, self.b_proj(x),
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                               state, decode=length == 1 and state is not None)
+                               state, decode=length == 1 and state is not None,
+                               in_place=cache is not None and cache.in_place)
         if cache is not None:
             cache.update_kda(self.layer_idx, (q_state, k_state, v_state), state)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(heads)
@@ -460,6 +460,7 @@ class KimiK3Cache:
     on each layer's device. Layers reach it only through `prepare`, `kda_state`, `update_kda` and `update_latent`."""
 
     is_compileable = False
+    in_place = False  # whether kernels may overwrite the state tensors they are given
 
     def __init__(self, config):
         config = getattr(config, "text_config", config)
@@ -521,6 +522,8 @@ class KimiK3StaticCache(KimiK3Cache):
     captured, the rest are replays. Pass it to `generate(past_key_values=...)`.
     """
 
+    in_place = True
+
     def __init__(self, config, batch_size, max_length, cuda_graph=True):
         super().__init__(config)
         self.batch_size, self.max_length, self.cuda_graph = batch_size, max_length, cuda_graph
@@ -556,7 +559,8 @@ class KimiK3StaticCache(KimiK3Cache):
             return
         for buffer, new in zip(self.conv_states[layer_idx] + (self.recurrent_states[layer_idx],),
                                conv_states + (recurrent_state,)):
-            buffer.copy_(new)
+            if new is not buffer:  # fla's decode kernel already wrote the state into its buffer
+                buffer.copy_(new)
 
     def update_latent(self, layer_idx, latent, positions):
         buffer = self.latents[layer_idx]

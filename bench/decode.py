@@ -213,6 +213,7 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
     gen = torch.Generator(device="cuda").manual_seed(batch)
     prompt = torch.randint(0, vocab, (batch, args.context), device="cuda", generator=gen)
     routes = Routes(model)
+    kda_default = kda.ENABLED
     entry = results.setdefault(f"b{batch}", {})
     max_length = args.context + 2 * args.steps + 8
     try:
@@ -248,7 +249,7 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
             torch.cuda.empty_cache()
             save()
     finally:
-        kda.ENABLED = False
+        kda.ENABLED = kda_default
         routes.remove()
 
 
@@ -303,7 +304,7 @@ def main(argv=None):
           flush=True)
     save()
     modes = [("eager", False, False), ("graph", True, False)] + ([("graph fla-kda", True, True)] if args.fla else [])
-    rounds = [modes] + ([[("graph compiled", True, False)]] if args.compile_blocks else [])
+    rounds = [modes] + ([[("graph compiled", True, args.fla)]] if args.compile_blocks else [])
     for i, round_modes in enumerate(rounds):
         if i:
             compile_blocks()

@@ -386,18 +386,17 @@ def _cfg(bm, w13, w2, upcast, atomic=False, fast_math=False):
     return dict(BM=bm, w13=w13, w2=w2, upcast=upcast, atomic=atomic, fast_math=fast_math)
 
 
-# The inline-PTX and fp32-dequant MMA variants lost to dot_scaled in the first H200 run (bench/results/layer_h200.md)
-# and are no longer swept at decode; the CUDA-core "gemv" kernels are.
+# The inline-PTX and fp32-dequant MMA variants lost to dot_scaled in the first H200 run, the CUDA-core "gemv" kernels
+# in the second (bench/results/layer_h200.md); this sweep tries dot_scaled tile shapes, with the best gemv beside.
 DECODE_VARIANTS = {
     "dot_scaled_fastmath": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_bn32": _cfg(16, (32, 128, 4, 4), (32, 128, 4, 4), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_bn32_bk256": _cfg(16, (32, 256, 4, 3), (32, 256, 4, 3), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_bk256": _cfg(16, (64, 256, 4, 3), (64, 256, 4, 3), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_s6": _cfg(16, (64, 128, 4, 6), (64, 128, 4, 6), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w8": _cfg(16, (64, 128, 8, 4), (64, 128, 8, 4), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w2": _cfg(16, (32, 128, 2, 4), (32, 128, 2, 4), "dot_scaled", fast_math=True),
     "gemv_bm1_bn32_bk256": _cfg(1, (32, 256, 4, 2), (32, 256, 4, 2), "gemv"),
-    "gemv_bm1_bn64_bk128": _cfg(1, (64, 128, 4, 2), (64, 128, 4, 2), "gemv"),
-    "gemv_bm1_bn16_bk512": _cfg(1, (16, 512, 4, 2), (16, 512, 4, 2), "gemv"),
-    "gemv_bm1_bn32_bk256_w8": _cfg(1, (32, 256, 8, 2), (32, 256, 8, 2), "gemv"),
-    "gemv_bm1_bn32_bk256_s3": _cfg(1, (32, 256, 4, 3), (32, 256, 4, 3), "gemv"),
-    "gemv_bm1_bn32_bk128_w2": _cfg(1, (32, 128, 2, 2), (32, 128, 2, 2), "gemv"),
-    "gemv_bm2_bn32_bk128": _cfg(2, (32, 128, 4, 2), (32, 128, 4, 2), "gemv"),
-    "gemv_bm4_bn32_bk128": _cfg(4, (32, 128, 4, 2), (32, 128, 4, 2), "gemv"),
 }
 PREFILL_VARIANTS = {
     "dot_scaled_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled"),
