@@ -146,6 +146,16 @@ def align_blocks(ids, num_experts, block_m):
     return rows, block_expert.to(torch.int32).clamp_(max=num_experts)
 
 
+def pair_blocks(ids, block_m):
+    """`align_blocks`' layout with one block per (token, slot) pair and no sort: for a single token, whose top-k
+    experts are distinct, so no expert's weights are read twice. Four small kernels instead of about twelve."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    rows = torch.full((pairs, block_m), pairs, dtype=torch.int32, device=flat.device)
+    rows[:, 0] = torch.arange(pairs, dtype=torch.int32, device=flat.device)
+    return rows.reshape(-1), flat.to(torch.int32)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
@@ -475,7 +485,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     atomic = config.get("atomic", ATOMIC_COMBINE) if atomic is None else atomic
     block_m = config["BM"]
     x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
-    rows, block_expert = align_blocks(ids, num_experts, block_m)
+    rows, block_expert = pair_blocks(ids, block_m) if tokens == 1 else align_blocks(ids, num_experts, block_m)
     blocks = block_expert.numel()
     h = torch.empty(pairs, inner, dtype=h_dtype or x.dtype, device=x.device)
     if upcast == "gemv":

@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent(
     from reap_tools.tiny import random_model, tiny_config
 
     torch.manual_seed(0)
-    for latent, inner, experts, top_k, tokens in [(32, 32, 8, 2, 5), (64, 96, 6, 3, 7), (128, 64, 5, 2, 40)]:
+    for latent, inner, experts, top_k, tokens in [(32, 32, 8, 2, 5), (64, 96, 6, 3, 7), (128, 64, 5, 2, 40),
+                                                  (64, 64, 8, 3, 1)]:  # one token: unsorted pair blocks
         config = tiny_config(packed=True, routed_expert_hidden_size=latent, moe_intermediate_size=inner,
                              num_experts=experts, num_experts_per_token=top_k)
         moe = random_model(config, seed=1).language_model.model.layers[1].block_sparse_moe
