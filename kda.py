@@ -101,6 +101,8 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
 # reference by ~25 % relative (the reference in bf16 vs fp32: ~5 %), although the kernels alone match the reference
 # within bf16 tolerance (tests/test_gpu_paths.py). Benchmarks and tests set it directly to compare the two paths.
 ENABLED = os.environ.get("KIMI_K3_FLA_KDA", "0") == "1"
+# False: fla's kernel for decode steps only, prefill on the reference's chunked form.
+PREFILL = True
 # fla's `safe_gate` (16-row tensor-core sub-chunks, valid for gates bounded in [lower_bound, 0) with lower_bound
 # >= -5): None uses it whenever the bound allows; False never.
 SAFE_GATE = None
@@ -141,7 +143,7 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
 
     Returns (o [B, T, H, V] in v's dtype on the fla path, fp32 on the reference path; state [B, H, K, V] fp32).
     """
-    kernels = _load() if (q.is_cuda and available()) else None
+    kernels = _load() if (q.is_cuda and available() and (decode or PREFILL)) else None
     if kernels is None:
         g = kda_gate(g_raw, A_log, dt_bias, lower_bound)
         beta = torch.sigmoid(beta_raw.float())

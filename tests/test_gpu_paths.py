@@ -183,22 +183,24 @@ def teacher_forced(model, prompt, generated):
     return float((gap == 0).float().mean()), gap.max().item()
 
 
-@pytest.mark.parametrize("fla", [False, True])
+@pytest.mark.parametrize("fla", ["off", "decode", "no_safe_gate", "all"])
 def test_greedy_64_steps_fast_vs_reference(fla):
-    if fla and not kda.available(DEVICE):
+    """fla: its KDA kernels off, for decode steps only, also for prefill without / with safe_gate."""
+    if fla != "off" and not kda.available(DEVICE):
         pytest.skip("fla-core is not importable here")
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device=DEVICE)
     steps = 64
-    kda_default = kda.ENABLED
+    defaults = kda.ENABLED, kda.PREFILL, kda.SAFE_GATE
     with torch.no_grad():
-        kda.ENABLED = fla
+        kda.ENABLED, kda.PREFILL, kda.SAFE_GATE = fla != "off", fla != "decode", None if fla == "all" else False
         mxfp4_triton.ENABLED = True
         fast = model.generate(prompt, max_new_tokens=steps, do_sample=False)
         mxfp4_triton.ENABLED = kda.ENABLED = False
         ref = model.generate(prompt, max_new_tokens=steps, do_sample=False)
         agree, gap = teacher_forced(model, prompt, fast)
-    mxfp4_triton.ENABLED, kda.ENABLED = True, kda_default  # back to the kernel-check setting
+    mxfp4_triton.ENABLED = True
+    kda.ENABLED, kda.PREFILL, kda.SAFE_GATE = defaults
     same = int((fast[0] == ref[0]).int().cumprod(0).sum()) - prompt.shape[1]
     print(f"greedy (fla KDA {fla}): {same}/{steps} leading tokens identical to the reference's own greedy run; "
           f"teacher-forced, the reference's argmax is the fast path's token at {agree:.0%} of steps, largest gap "
@@ -247,7 +249,8 @@ def test_static_cache_graph_decode_matches_eager(fla):
                           device=DEVICE)
     mask = torch.ones_like(prompt)
     mask[1, :4] = 0
-    kda_default, kda.ENABLED = kda.ENABLED, fla
+    defaults = kda.ENABLED, kda.PREFILL
+    kda.ENABLED, kda.PREFILL = fla, False  # fla, if on, for the decode steps (the graphed ones)
     try:
         with torch.no_grad():
             runs = {}
@@ -258,7 +261,7 @@ def test_static_cache_graph_decode_matches_eager(fla):
                 assert (cache.graph is not None) == graph
         agree, gap = teacher_forced(model, prompt[:1], runs[True][:1])  # the unpadded row
     finally:
-        kda.ENABLED = kda_default
+        kda.ENABLED, kda.PREFILL = defaults
     print(f"static-cache graph decode (fla KDA {fla}): identical to eager static: {torch.equal(runs[True], runs[False])}; "
           f"teacher-forced reference argmax agreement {agree:.0%}, largest gap {gap:.3f} logit std")
     assert torch.equal(runs[True], runs[False])
