@@ -1,4 +1,5 @@
-"""Triton kernels for the MXFP4 routed experts of a `KimiK3LatentMoE` block (CUDA; optional fast path).
+"""Triton kernels for the MXFP4 routed experts of a `KimiK3LatentMoE` block (CUDA; optional fast path), and the
+SiTU-GLU of the shared experts and the dense MLP as one elementwise kernel.
 
 The packed bytes are read as stored (compressed-tensors `mxfp4-pack-quantized`, see `mxfp4.py`): per expert
 w1/w3 `weight_packed` [I, L/2] (element 2j in the low nibble), `weight_scale` [I, L/32] (E8M0), w2 [L, I/2] and
@@ -15,8 +16,8 @@ upcasts the nibbles to bf16 in registers), a packed inline-PTX nibble -> bf16 co
 ("asm"), or an explicit fp32 dequant followed by `tl.dot` ("manual": what the Triton interpreter runs on CPU in
 the tests). Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
-Only `routed_experts` is called by the model; it returns None when this path does not apply (no triton, experts
-not packed, tensors not on one CUDA device), and the caller falls back to the reference loop.
+The model calls `routed_experts` and `situ_glu`; each returns None when its path does not apply (no triton, experts
+not packed, tensors not on one CUDA device), and the caller falls back to the torch reference.
 """
 
 import os
@@ -52,14 +53,13 @@ DECODE_MAX_PAIRS_PER_EXPERT = 4
 ATOMIC_COMBINE = False
 # How the nibbles become bf16 MMA operands: "dot_scaled" (tl.dot_scaled: Triton's own upcast), "asm" (packed
 # inline-PTX conversion, one scale group at a time, then tl.dot), "asm_swap" (the same with weights as the MMA's
-# wide operand, for decode), "manual" (fp32 dequant arithmetic, then tl.dot; what the Triton interpreter runs) or
-# "gemv" (no MMA: CUDA-core dot products over the packed bytes, separate kernels, for a few tokens per expert).
+# wide operand, for decode) or "manual" (fp32 dequant arithmetic, then tl.dot; what the Triton interpreter runs).
 # FAST_MATH is dot_scaled's `fast_math` flag, which drops Triton's special-value handling in the upcast (as we
 # understand it, the NaN of E8M0 code 255, which no pack from mxfp4.quantize_mxfp4 holds); with it the outputs
 # matched the reference as closely as without, and ran 20-25% faster. CONFIGS entries override both.
 UPCAST = "dot_scaled"
 FAST_MATH = False
-_UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3, "gemv": None}
+_UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3}
 
 # Under TRITON_INTERPRET=1 (CPU, numpy) the manual path multiplies in fp32: the interpreter's bf16 dot is unusable.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -277,86 +277,15 @@ if triton is not None:
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
-    def _e2m1_times_2pow_m14(nib):
-        """E2M1 nibble (int32, 0..15) -> its value * 2^-14 in fp32, exactly: sign and the three magnitude bits go
-        into an fp16's sign, low exponent and top mantissa bits (code 1 = 0.5 lands as the subnormal 2^-15), then
-        one conversion; the 2^14 is folded into the group scale."""
-        bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _gemv_tile(acc, x_even, x_odd, w_ptrs, s_ptrs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """acc [BM, BN] += x [BM, BK] @ dequant(w)^T on the CUDA cores, for a few tokens (decode): w_ptrs [BN, BK/2]
-        packed bytes, s_ptrs [BN, BK/32] scale codes, x_even / x_odd [BM, BK/2] the even / odd K elements in fp32.
-        Each 32-element group (16 contiguous bytes) is summed unscaled, then multiplied by its scale once."""
-        w = tl.load(w_ptrs).to(tl.int32)
-        lo = _e2m1_times_2pow_m14(w & 15)
-        hi = _e2m1_times_2pow_m14(w >> 4)
-        scale = ((tl.load(s_ptrs).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(code - 127 + 14)
-        prod = lo[None, :, :] * x_even[:, None, :] + hi[None, :, :] * x_odd[:, None, :]  # [BM, BN, BK/2]
-        group = tl.sum(tl.reshape(prod, (BM, BN, BK // 32, 16)), axis=3)
-        return acc + tl.sum(group * scale[None, :, :], axis=2)
-
-    @triton.jit
-    def _gemv_pass(acc, x_ptrs, x_mask, w_ptrs, s_ptrs, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):
-        """acc += x @ dequant(w)^T over all of K (x_ptrs [BM, BK], w_ptrs / s_ptrs at k = 0)."""
-        for k0 in range(0, K, BK):
-            x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0).to(tl.float32)
-            x_even, x_odd = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
-            acc = _gemv_tile(acc, x_even, x_odd, w_ptrs + k0 // 2, s_ptrs + k0 // 32, BM, BN, BK)
-        return acc
-
-    @triton.jit(do_not_specialize=["num_pairs", "top_k"])
-    def _w13_gemv_kernel(z_ptr, rows_ptr, block_expert_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
-                         num_pairs, top_k, stride_z, stride_h, K: tl.constexpr, N: tl.constexpr,
-                         E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         BETA: tl.constexpr, LINEAR_BETA: tl.constexpr):
-        """The decode form of `_w13_kernel`: the same blocks of pairs, CUDA-core dot products instead of MMAs."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert >= E:
-            return
-        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
-        valid = rows < num_pairs
-        token = tl.where(valid, rows // top_k, 0).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        expert = expert.to(tl.int64)
-        w_off = expert * N * (K // 2) + offs_n[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
-        s_off = expert * N * (K // 32) + offs_n[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
-        x_ptrs = z_ptr + token[:, None] * stride_z + tl.arange(0, BK)[None, :]
-        acc1 = _gemv_pass(tl.zeros((BM, BN), dtype=tl.float32), x_ptrs, valid[:, None], w1_ptr + w_off, s1_ptr + s_off,
-                          K, BM, BN, BK)
-        acc3 = _gemv_pass(tl.zeros((BM, BN), dtype=tl.float32), x_ptrs, valid[:, None], w3_ptr + w_off, s3_ptr + s_off,
-                          K, BM, BN, BK)
-        act = (BETA * _tanh(acc1 / BETA)) * tl.sigmoid(acc1) * (LINEAR_BETA * _tanh(acc3 / LINEAR_BETA))
-        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
-        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=valid[:, None])
-
-    @triton.jit(do_not_specialize=["num_pairs", "top_k"])
-    def _w2_gemv_kernel(h_ptr, rows_ptr, block_expert_ptr, w2_ptr, s2_ptr, weight_ptr, y_ptr,
-                        num_pairs, top_k, stride_h, stride_y, K: tl.constexpr, N: tl.constexpr,
-                        E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """The decode form of `_w2_kernel` (stored per pair)."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert >= E:
-            return
-        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
-        valid = rows < num_pairs
-        row64 = tl.where(valid, rows, 0).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        expert = expert.to(tl.int64)
-        w_off = expert * N * (K // 2) + offs_n[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
-        s_off = expert * N * (K // 32) + offs_n[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
-        x_ptrs = h_ptr + row64[:, None] * stride_h + tl.arange(0, BK)[None, :]
-        acc = _gemv_pass(tl.zeros((BM, BN), dtype=tl.float32), x_ptrs, valid[:, None], w2_ptr + w_off, s2_ptr + s_off,
-                         K, BM, BN, BK)
-        weight = tl.load(weight_ptr + row64, mask=valid, other=0.0)
-        out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
-        tl.store(y_ptr + row64[:, None] * stride_y + offs_n[None, :], out, mask=valid[:, None])
+    def _situ_glu_kernel(g_ptr, u_ptr, out_ptr, n, BETA: tl.constexpr, LINEAR_BETA: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """out = SiTU-GLU(g, u) elementwise, in fp32 like the reference, rounded once to out's dtype."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        act = (BETA * _tanh(g / BETA)) * tl.sigmoid(g) * (LINEAR_BETA * _tanh(u / LINEAR_BETA))
+        tl.store(out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["num_pairs", "top_k"])
     def _w13_kernel(z_ptr, rows_ptr, block_expert_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
@@ -480,7 +409,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     config = config or pick_config(pairs, num_experts)
     if upcast is None:
         upcast = ("dot_scaled" if dot_scaled else "manual") if dot_scaled is not None else config.get("upcast", UPCAST)
-    if _INTERPRET and upcast != "gemv":
+    if _INTERPRET:
         upcast = "manual"  # neither tl.dot_scaled nor inline PTX runs in the interpreter
     mode = _UPCAST_CODES[upcast]
     fast_math = config.get("fast_math", FAST_MATH) if fast_math is None else fast_math
@@ -490,8 +419,6 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     rows, block_expert = pair_blocks(ids, block_m) if tokens == 1 else align_blocks(ids, num_experts, block_m)
     blocks = block_expert.numel()
     h = torch.empty(pairs, inner, dtype=h_dtype or x.dtype, device=x.device)
-    if upcast == "gemv":
-        return _run_gemv(stack, x, rows, block_expert, weights, h, top_k, num_experts, beta, linear_beta, config)
     bn, bk, warps, stages = config["w13"]
     bn, bk = _fit(bn, inner), _fit(bk, latent)
     _w13_kernel[(blocks, inner // bn)](
@@ -516,26 +443,18 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     return y if atomic else y.view(tokens, top_k, latent).sum(1)
 
 
-def _run_gemv(stack, x, rows, block_expert, weights, h, top_k, num_experts, beta, linear_beta, config):
-    """`run_experts` through the CUDA-core decode kernels (per-pair rows, summed by torch)."""
-    tokens, pairs, blocks = x.shape[0], h.shape[0], block_expert.numel()
-    latent, inner, block_m = stack.latent, stack.inner, config["BM"]
-    bn, bk, warps, stages = config["w13"]
-    bn, bk = _fit(bn, inner), _fit(bk, latent)
-    _w13_gemv_kernel[(blocks, inner // bn)](
-        x, rows, block_expert, stack.w1, stack.s1, stack.w3, stack.s3, h, pairs, top_k, x.stride(0), h.stride(0),
-        K=latent, N=inner, E=num_experts, BM=block_m, BN=bn, BK=bk, BETA=float(beta),
-        LINEAR_BETA=float(linear_beta), num_warps=warps, num_stages=stages,
-    )
-    y = torch.empty(pairs, latent, dtype=torch.float32, device=x.device)
-    bn, bk, warps, stages = config["w2"]
-    bn, bk = _fit(bn, latent), _fit(bk, inner)
-    _w2_gemv_kernel[(blocks, latent // bn)](
-        h, rows, block_expert, stack.w2, stack.s2, weights.reshape(-1).float().contiguous(), y, pairs, top_k,
-        h.stride(0), y.stride(0), K=inner, N=latent, E=num_experts, BM=block_m, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages,
-    )
-    return y.view(tokens, top_k, latent).sum(1)
+def situ_glu(gate, up, beta, linear_beta):
+    """`modeling_kimi_k3.situ_glu` as one kernel (about a dozen torch kernels otherwise), or None where it does not
+    apply (no triton, not CUDA, shapes or layouts that differ)."""
+    on_device = gate.is_cuda or _INTERPRET  # the interpreter runs it on CPU tensors (tests)
+    if not (available() and on_device and gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous()):
+        return None
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    block = 1024
+    _situ_glu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BETA=float(beta), LINEAR_BETA=float(linear_beta),
+                                               BLOCK=block)
+    return out
 
 
 def routed_experts(moe, z, ids, weights):

@@ -183,6 +183,9 @@ def decode_cache(text, layer, batch, seed):
     return cache, reset, state_bytes
 
 
+PREFILL_DEFAULT = kda.PREFILL
+
+
 def set_fast(on):
     mxfp4_triton.ENABLED = on
     kda.ENABLED = on
@@ -304,6 +307,13 @@ def bench_prefill(text, layer, tokens, ceil, reps, seed, with_reference=True):
         res["fast_ms"] = time_ms(step, reps)
         res["fast_tok_s"] = tokens / (res["fast_ms"] * 1e-3)
         res["fast_fraction_of_floor"] = res["floor_ms"] / res["fast_ms"]
+        if isinstance(layer.self_attn, KimiK3DeltaAttention):  # fla's prefill kernel too (opt-in: kda.PREFILL)
+            kda.PREFILL = True
+            try:
+                res["fast_fla_prefill_ms"] = time_ms(step, reps)
+                res["fast_fla_prefill_tok_s"] = tokens / (res["fast_fla_prefill_ms"] * 1e-3)
+            finally:
+                kda.PREFILL = PREFILL_DEFAULT
         if with_reference:
             set_fast(False)
             try:
@@ -386,17 +396,18 @@ def _cfg(bm, w13, w2, upcast, atomic=False, fast_math=False):
     return dict(BM=bm, w13=w13, w2=w2, upcast=upcast, atomic=atomic, fast_math=fast_math)
 
 
-# The inline-PTX and fp32-dequant MMA variants lost to dot_scaled in the first H200 run, the CUDA-core "gemv" kernels
-# in the second (bench/results/layer_h200.md); this sweep tries dot_scaled tile shapes, with the best gemv beside.
+# Swept earlier on the H200 and dropped (bench/results/layer_h200.md): the inline-PTX and fp32-dequant MMA variants
+# (run 1), CUDA-core GEMV kernels and 4/8-warp dot_scaled tiles (runs 2-3). Decode: dot_scaled tiles of few warps.
 DECODE_VARIANTS = {
-    "dot_scaled_fastmath": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "dot_scaled", fast_math=True),
-    "dot_scaled_fastmath_bn32": _cfg(16, (32, 128, 4, 4), (32, 128, 4, 4), "dot_scaled", fast_math=True),
-    "dot_scaled_fastmath_bn32_bk256": _cfg(16, (32, 256, 4, 3), (32, 256, 4, 3), "dot_scaled", fast_math=True),
-    "dot_scaled_fastmath_bk256": _cfg(16, (64, 256, 4, 3), (64, 256, 4, 3), "dot_scaled", fast_math=True),
-    "dot_scaled_fastmath_s6": _cfg(16, (64, 128, 4, 6), (64, 128, 4, 6), "dot_scaled", fast_math=True),
-    "dot_scaled_fastmath_w8": _cfg(16, (64, 128, 8, 4), (64, 128, 8, 4), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w4": _cfg(16, (64, 128, 4, 4), (64, 128, 4, 4), "dot_scaled", fast_math=True),
     "dot_scaled_fastmath_w2": _cfg(16, (32, 128, 2, 4), (32, 128, 2, 4), "dot_scaled", fast_math=True),
-    "gemv_bm1_bn32_bk256": _cfg(1, (32, 256, 4, 2), (32, 256, 4, 2), "gemv"),
+    "dot_scaled_fastmath_w2_s3": _cfg(16, (32, 128, 2, 3), (32, 128, 2, 3), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w2_s6": _cfg(16, (32, 128, 2, 6), (32, 128, 2, 6), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w2_bn64": _cfg(16, (64, 128, 2, 4), (64, 128, 2, 4), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w2_bn16": _cfg(16, (16, 128, 2, 4), (16, 128, 2, 4), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w2_bk64": _cfg(16, (32, 64, 2, 6), (32, 64, 2, 6), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w1": _cfg(16, (32, 128, 1, 4), (32, 128, 1, 4), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w1_bn16": _cfg(16, (16, 128, 1, 4), (16, 128, 1, 4), "dot_scaled", fast_math=True),
 }
 PREFILL_VARIANTS = {
     "dot_scaled_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled"),
@@ -433,6 +444,8 @@ def bench_kda_core(tokens, reps, seed):
     A_log = torch.randn(heads, device=DEVICE, generator=gen) * 0.5
     dt_bias = torch.randn(heads * dim, device=DEVICE, generator=gen)
     out = {"tokens": tokens}
+    switches = kda.ENABLED, kda.PREFILL
+    kda.ENABLED = kda.PREFILL = True
     with torch.no_grad():
         g = kda.kda_gate(g_raw, A_log, dt_bias, -5.0)
         with Timer() as t:
@@ -451,6 +464,7 @@ def bench_kda_core(tokens, reps, seed):
                     "state_rel_err": float((state - ref_s).norm() / ref_s.norm())}
         finally:
             kda.SAFE_GATE = previous
+            kda.ENABLED, kda.PREFILL = switches
     return out
 
 
@@ -659,7 +673,8 @@ def print_summary(results):
                       f" = {r['moe']['x_floor']:.2f}x floor")
             elif key.startswith("prefill_"):
                 print(f"{kind} {key}: fast {r['fast_tok_s']:.0f} tok/s ({r['fast_fraction_of_floor']:.0%} of floor"
-                      f" {r['floor_ms']:.1f} ms) | reference {r.get('reference_tok_s', float('nan')):.0f} tok/s")
+                      f" {r['floor_ms']:.1f} ms) | with fla prefill {r.get('fast_fla_prefill_tok_s', float('nan')):.0f}"
+                      f" tok/s | reference {r.get('reference_tok_s', float('nan')):.0f} tok/s")
     for batch in (1, 8):
         sweep = results.get(f"mxfp4_decode_sweep_b{batch}")
         if sweep:
