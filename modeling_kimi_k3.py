@@ -840,6 +840,11 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.language_model.lm_head
 
+    def make_static_cache(self, batch_size, max_length, cuda_graph=True):
+        """A `KimiK3StaticCache` for `generate(..., past_key_values=cache)`: preallocated for `max_length` tokens
+        (prompt + new) of `batch_size` rows; on one CUDA device each one-token step is then a CUDA-graph replay."""
+        return KimiK3StaticCache(self.config, batch_size, max_length, cuda_graph)
+
     def set_output_embeddings(self, value):
         self.language_model.lm_head = value
 

@@ -125,7 +125,7 @@ def test_static_cache_generates_what_the_growing_cache_does(model):
     mask = torch.tensor([[0] * (7 - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
         growing = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-        cache = KimiK3StaticCache(model.config, batch_size=2, max_length=24)
+        cache = model.make_static_cache(batch_size=2, max_length=24)
         static = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, past_key_values=cache)
         full = model(growing, attention_mask=torch.cat([mask, torch.ones(2, 12, dtype=mask.dtype)], 1)).logits
     assert torch.equal(static, growing)
