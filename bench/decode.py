@@ -194,6 +194,27 @@ def profile_step(model, cache, batch, vocab, top=25):
             "top": [{"name": n, "count": c, "ms": ms} for n, c, ms in rows[:top]]}
 
 
+def generate_tok_s(model, prompt, new_tokens, static):
+    """Decode tokens/s of `model.generate` (greedy), prefill excluded: a run of 1 + new_tokens tokens minus a run of
+    one, each with a fresh cache (the static one: CUDA-graph replays after the second step, capture included)."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+
+    def run(tokens):
+        cache = model.make_static_cache(prompt.shape[0], prompt.shape[1] + tokens) if static else None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                 past_key_values=cache)
+        torch.cuda.synchronize()
+        assert out.shape[1] == prompt.shape[1] + tokens
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    return new_tokens / (run(1 + new_tokens) - run(1))
+
+
 def compile_blocks():
     """Experiment: `torch.compile` the model's elementwise building blocks in place (norms, depth mixes, SiTU,
     router, KDA gate and decode step), so that the graph replays fused kernels instead of chains of small ones."""
@@ -264,6 +285,8 @@ def main(argv=None):
     parser.add_argument("--headroom-gib", type=float, default=14.0)
     parser.add_argument("--fla", action="store_true", help="also time with fla-core's KDA kernels on")
     parser.add_argument("--profile", action="store_true", help="kernel table of one eager step at batch 1")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="also time model.generate of N tokens at batch 1, growing cache vs static + graph")
     parser.add_argument("--compile-blocks", action="store_true",
                         help="then also time graphs of torch.compile'd building blocks (an experiment)")
     args = parser.parse_args(argv)
@@ -305,8 +328,22 @@ def main(argv=None):
     save()
     modes = [("eager", False, False), ("graph", True, False)] + ([("graph fla-kda", True, True)] if args.fla else [])
     rounds = [modes] + ([[("graph compiled", True, args.fla)]] if args.compile_blocks else [])
+    def generate_section():
+        prompt = torch.randint(0, config.text_config.vocab_size, (1, args.context), device="cuda")
+        for static in (False, True):
+            name = "generate static cache + graph" if static else "generate growing cache, eager"
+            try:
+                results[name + " tok_s"] = generate_tok_s(model, prompt, args.generate, static)
+                print(f"b1 {name}: {results[name + ' tok_s']:.1f} tok/s", flush=True)
+            except Exception:
+                results[name + " error"] = traceback.format_exc()[-2000:]
+                print(results[name + " error"], flush=True)
+        save()
+
     for i, round_modes in enumerate(rounds):
         if i:
+            if args.generate:
+                generate_section()  # before compile_blocks changes the model's code
             compile_blocks()
         for batch in (int(b) for b in args.batches.split(",")):
             try:
@@ -316,6 +353,8 @@ def main(argv=None):
                 results[f"b{batch}_error"] = traceback.format_exc()[-3000:]
                 print(results[f"b{batch}_error"], flush=True)
             save()
+    if args.generate and len(rounds) == 1:
+        generate_section()
     print(f"elapsed {time.time() - started:.0f} s")
     return 0
 
