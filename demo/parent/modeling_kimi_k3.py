@@ -401,9 +401,8 @@ class KimiK3LatentMoE(nn.Module):
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
         token = order // top_k
         routed = z[token]
-        if isinstance(self.experts[0].w1, MXFP4Linear):
-            out = self.packed_experts(routed, counts)
-        else:
+        out = self.packed_experts(routed, counts)
+        if out is None:
             out = torch.empty(routed.shape, dtype=torch.float32, device=z.device)
             start = 0
             for e, count in enumerate(counts):
@@ -415,26 +414,32 @@ class KimiK3LatentMoE(nn.Module):
 
     def packed_experts(self, routed, counts):
         """`expert_e(rows)` in fp32 for MXFP4 experts, `routed` [pairs, L] sorted by expert with `counts[e]` rows
-        each: the per-expert loop's result from a few large ops instead of ~12 small ones per expert.
+        each: the per-expert loop's result from a few large ops instead of ~12 small ones per expert. None where the
+        experts are not MXFP4 or a hit expert's packs are not on `routed`'s device (e.g. offloaded by accelerate,
+        whose hooks load them only for the expert's own forward): the caller then runs the loop.
 
         Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights): one dequantization of
         all their w1 and w3 packs, one of their w2 packs, then, where every expert has the same number of rows (a
         decode step), two batched matmuls over the chunk, else the same two matmuls per expert.
         """
         first = self.experts[0]
+        if not isinstance(first.w1, MXFP4Linear):
+            return None
         latent, inner = first.w1.in_features, first.w1.out_features
-        hit = [e for e, count in enumerate(counts) if count]
+        hit = [(self.experts[e], count) for e, count in enumerate(counts) if count]
+        if any(w.weight_packed.device != routed.device for e, _ in hit for w in (e.w1, e.w3, e.w2)):
+            return None
         step = max(1, DEQUANT_CHUNK_BYTES // (3 * latent * inner * routed.element_size()))
-        out = []
+        out, start = [], 0
         for chunk in (hit[i : i + step] for i in range(0, len(hit), step)):
-            sizes = [counts[e] for e in chunk]
-            rows = routed[sum(len(y) for y in out) :][: sum(sizes)]
-            experts = [self.experts[e] for e in chunk]
-            w13 = [w for e in experts for w in (e.w1, e.w3)]
+            sizes = [count for _, count in chunk]
+            rows = routed[start : start + sum(sizes)]
+            start += sum(sizes)
+            w13 = [w for e, _ in chunk for w in (e.w1, e.w3)]
             w13 = dequantize_mxfp4(torch.cat([w.weight_packed for w in w13]), torch.cat([w.weight_scale for w in w13]),
                                    dtype=rows.dtype).view(len(chunk), 2 * inner, latent)
-            w2 = dequantize_mxfp4(torch.cat([e.w2.weight_packed for e in experts]),
-                                  torch.cat([e.w2.weight_scale for e in experts]),
+            w2 = dequantize_mxfp4(torch.cat([e.w2.weight_packed for e, _ in chunk]),
+                                  torch.cat([e.w2.weight_scale for e, _ in chunk]),
                                   dtype=rows.dtype).view(len(chunk), latent, inner)
             if min(sizes) == max(sizes):
                 y = first.glu(rows.view(len(chunk), sizes[0], latent), w13, w2).view(-1, latent)

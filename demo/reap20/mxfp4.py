@@ -117,9 +117,8 @@ def dequantize_mxfp4(
         values = pairs.index_select(0, codes).view(dtype)
     else:
         values = torch.nn.functional.embedding(codes, pairs)
-    values = values.reshape(out_features, -1, GROUP_SIZE)
     scale = scales.index_select(0, weight_scale.reshape(-1).int()).view(out_features, -1, 1)
-    return (values * scale).reshape(out_features, 2 * half_in)
+    return values.view(out_features, -1, GROUP_SIZE).mul_(scale).view(out_features, 2 * half_in)  # values is ours
 
 
 # An integer as wide as two elements of a dtype, by its element size: a byte's pair read as one integer.
