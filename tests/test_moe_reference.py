@@ -79,3 +79,18 @@ def test_no_tokens(moe):
     with torch.no_grad():
         out = moe.routed_experts(z, torch.zeros(0, TOP_K, dtype=torch.long), torch.zeros(0, TOP_K))
     assert out.shape == (0, LATENT)
+
+
+def test_packs_are_read_from_shared_stacks_and_still_save(tmp_path):
+    """The batched path views the experts' packs through one stack per weight (held once), and a model whose
+    experts were stacked so saves and reloads the same tensors."""
+    model = random_model(tiny_config(packed=True), seed=2)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model(torch.tensor([[5, 9, 200, 31]]))
+    layer = model.language_model.model.layers[1].block_sparse_moe
+    stack = layer._mxfp4_stack
+    assert layer.experts[3].w2.weight_packed.data_ptr() == stack.w2[3].data_ptr()
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == ref.keys() and all(torch.equal(loaded[k], v) for k, v in ref.items())

@@ -23,12 +23,12 @@ try:
     from .configuration_kimi_k3 import KimiK3Config
     from .kda import kda_forward
     from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
-    from .mxfp4_triton import routed_experts as triton_routed_experts
+    from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
     from kda import kda_forward
     from mxfp4 import dequantize_mxfp4, quantize_mxfp4
-    from mxfp4_triton import routed_experts as triton_routed_experts
+    from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -415,32 +415,33 @@ class KimiK3LatentMoE(nn.Module):
     def packed_experts(self, routed, counts):
         """`expert_e(rows)` in fp32 for MXFP4 experts, `routed` [pairs, L] sorted by expert with `counts[e]` rows
         each: the per-expert loop's result from a few large ops instead of ~12 small ones per expert. None where the
-        experts are not MXFP4 or a hit expert's packs are not on `routed`'s device (e.g. offloaded by accelerate,
-        whose hooks load them only for the expert's own forward): the caller then runs the loop.
+        experts are not MXFP4 or not all on `routed`'s device (e.g. offloaded by accelerate, whose hooks load them
+        only for the expert's own forward): the caller then runs the loop.
 
-        Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights): one dequantization of
-        all their w1 and w3 packs, one of their w2 packs, then, where every expert has the same number of rows (a
-        decode step), two batched matmuls over the chunk, else the same two matmuls per expert.
+        The packs are read from the layer's expert stacks (`mxfp4_triton.stack_experts`, which the per-expert
+        parameters then view). Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights):
+        one dequantization of all their w1 and w3 packs, one of their w2 packs, then, where every expert has the
+        same number of rows (a decode step), two batched matmuls over the chunk, else the same two per expert.
         """
         first = self.experts[0]
-        if not isinstance(first.w1, MXFP4Linear):
+        if not isinstance(first.w1, MXFP4Linear) or first.w1.weight_packed.device != routed.device:
             return None
-        latent, inner = first.w1.in_features, first.w1.out_features
-        hit = [(self.experts[e], count) for e, count in enumerate(counts) if count]
-        if any(w.weight_packed.device != routed.device for e, _ in hit for w in (e.w1, e.w3, e.w2)):
+        stack = stack_experts(self)
+        if stack is None:  # the experts are on several devices
             return None
+        latent, inner = stack.latent, stack.inner
+        hit = [e for e, count in enumerate(counts) if count]
         step = max(1, DEQUANT_CHUNK_BYTES // (3 * latent * inner * routed.element_size()))
         out, start = [], 0
         for chunk in (hit[i : i + step] for i in range(0, len(hit), step)):
-            sizes = [count for _, count in chunk]
+            sizes = [counts[e] for e in chunk]
             rows = routed[start : start + sum(sizes)]
             start += sum(sizes)
-            w13 = [w for e, _ in chunk for w in (e.w1, e.w3)]
-            w13 = dequantize_mxfp4(torch.cat([w.weight_packed for w in w13]), torch.cat([w.weight_scale for w in w13]),
+            index = torch.tensor(chunk, device=routed.device)
+            w1, s1, w3, s3, w2, s2 = (t.index_select(0, index) for t in stack[:6])
+            w13 = dequantize_mxfp4(torch.cat([w1, w3], 1).flatten(0, 1), torch.cat([s1, s3], 1).flatten(0, 1),
                                    dtype=rows.dtype).view(len(chunk), 2 * inner, latent)
-            w2 = dequantize_mxfp4(torch.cat([e.w2.weight_packed for e, _ in chunk]),
-                                  torch.cat([e.w2.weight_scale for e, _ in chunk]),
-                                  dtype=rows.dtype).view(len(chunk), latent, inner)
+            w2 = dequantize_mxfp4(w2.flatten(0, 1), s2.flatten(0, 1), dtype=rows.dtype).view(len(chunk), latent, inner)
             if min(sizes) == max(sizes):
                 y = first.glu(rows.view(len(chunk), sizes[0], latent), w13, w2).view(-1, latent)
             else:
