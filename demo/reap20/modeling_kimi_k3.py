@@ -53,8 +53,8 @@ class KimiK3RMSNorm(nn.Module):
 
     def forward(self, hidden_states):
         x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (x * self.weight.float()).to(hidden_states.dtype)
+        x = x * x.pow(2).mean(-1, keepdim=True).add_(self.variance_epsilon).rsqrt_()  # in place on fresh tensors only
+        return x.mul_(self.weight.float()).to(hidden_states.dtype)
 
 
 class KimiK3MLP(nn.Module):
@@ -562,6 +562,8 @@ class KimiK3TextModel(nn.Module):
                 raise ValueError(
                     f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = {expected}"
                 )
+            if attention_mask.device.type == "cpu" and bool(attention_mask.all()):
+                attention_mask = None  # no padding: same outputs without each layer's masking ops (a CPU read is free)
         bank, partial = (), inputs_embeds
         for layer in self.layers:
             bank, partial = layer(bank, partial, attention_mask, cache)
