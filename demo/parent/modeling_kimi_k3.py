@@ -361,12 +361,12 @@ class KimiK3Expert(nn.Module):
     def forward(self, z):
         return self.w2(situ_glu(self.w1(z), self.w3(z), self.beta, self.linear_beta))
 
-    def glu(self, z, w13, w2):
-        """`forward` on given weights: w13 [..., 2*inner, L] (w1's rows, then w3's), w2 [..., L, inner]; with a
-        leading expert dimension on all three it runs batched matmuls."""
+    def gated(self, z, w13):
+        """`situ(w1 z, w3 z)` on given weights w13 [..., 2*inner, L] (w1's rows, then w3's); with a leading expert
+        dimension on both it runs one batched matmul."""
         h = z @ w13.mT
-        inner = w2.shape[-1]
-        return situ_glu(h[..., :inner], h[..., inner:], self.beta, self.linear_beta) @ w2.mT
+        inner = h.shape[-1] // 2
+        return situ_glu(h[..., :inner], h[..., inner:], self.beta, self.linear_beta)
 
 
 # Most dequantized expert weights (w1, w3 and w2, in the activation dtype) the CPU/reference path holds at once.
@@ -432,8 +432,9 @@ class KimiK3LatentMoE(nn.Module):
 
         The packs are read from the layer's expert stacks (`mxfp4_triton.stack_experts`, which the per-expert
         parameters then view). Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights):
-        one dequantization of all their w1 and w3 packs, one of their w2 packs, then, where every expert has the
-        same number of rows (a decode step), two batched matmuls over the chunk, else the same two per expert.
+        one dequantization of all their w1 and w3 packs and one of their w2 packs (after the first is used), each
+        followed, where every expert has the same number of rows (a decode step), by a batched matmul over the
+        chunk, else by a matmul per expert.
         """
         first = self.experts[0]
         if not isinstance(first.w1, MXFP4Linear) or first.w1.weight_packed.device != routed.device:
@@ -451,13 +452,16 @@ class KimiK3LatentMoE(nn.Module):
             start += sum(sizes)
             index = torch.tensor(chunk, device=routed.device)
             w1, s1, w3, s3, w2, s2 = (t.index_select(0, index) for t in stack[:6])
+            uniform = min(sizes) == max(sizes)
             w13 = dequantize_mxfp4(torch.cat([w1, w3], 1).flatten(0, 1), torch.cat([s1, s3], 1).flatten(0, 1),
                                    dtype=rows.dtype).view(len(chunk), 2 * inner, latent)
-            w2 = dequantize_mxfp4(w2.flatten(0, 1), s2.flatten(0, 1), dtype=rows.dtype).view(len(chunk), latent, inner)
-            if min(sizes) == max(sizes):
-                y = first.glu(rows.view(len(chunk), sizes[0], latent), w13, w2).view(-1, latent)
+            if uniform:
+                act = first.gated(rows.view(len(chunk), sizes[0], latent), w13)
             else:
-                y = torch.cat([first.glu(x, w13[i], w2[i]) for i, x in enumerate(rows.split(sizes))])
+                act = [first.gated(x, w13[i]) for i, x in enumerate(rows.split(sizes))]
+            del w13  # before w2 is dequantized: the two are never held at once
+            w2 = dequantize_mxfp4(w2.flatten(0, 1), s2.flatten(0, 1), dtype=rows.dtype).view(len(chunk), latent, inner)
+            y = (act @ w2.mT).view(-1, latent) if uniform else torch.cat([a @ w2[i].mT for i, a in enumerate(act)])
             out.append(y.float())
         return torch.cat(out) if out else torch.empty(routed.shape, dtype=torch.float32, device=routed.device)
 
