@@ -16,8 +16,9 @@ upcasts the nibbles to bf16 in registers), a packed inline-PTX nibble -> bf16 co
 ("asm"), or an explicit fp32 dequant followed by `tl.dot` ("manual": what the Triton interpreter runs on CPU in
 the tests). Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
-The model calls `routed_experts` and `situ_glu`; each returns None when its path does not apply (no triton, experts
-not packed, tensors not on one CUDA device), and the caller falls back to the torch reference.
+The model calls `routed_experts` and `situ_glu`, each of which returns None when its path does not apply (no
+triton, experts not packed, tensors not on one CUDA device) so that the caller falls back to the torch reference,
+and `stack_experts`, whose stacks that reference path reads too.
 """
 
 import os
@@ -78,7 +79,7 @@ def available():
 
 def _stack_key(moe):
     first, last = moe.experts[0], moe.experts[-1]
-    return tuple(p.data_ptr() for p in (first.w1.weight_packed, last.w2.weight_scale))
+    return (len(moe.experts),) + tuple(p.data_ptr() for p in (first.w1.weight_packed, last.w2.weight_scale))
 
 
 def stack_experts(moe, share=True):
@@ -86,7 +87,8 @@ def stack_experts(moe, share=True):
 
     With `share` the per-expert parameters are then re-pointed at views of the stacks, so the experts are held
     once (the values, shapes and names of the parameters are unchanged). The cache is rebuilt only if the
-    parameters were replaced since (e.g. by `.to()`), which the data pointers of two of them reveal.
+    parameters were replaced since (e.g. by `.to()`), which the data pointers of two of them reveal, or the
+    number of experts changed.
     """
     cached = getattr(moe, "_mxfp4_stack", None)
     if cached is not None and cached.key == _stack_key(moe):

@@ -90,3 +90,29 @@ def test_splitting_a_sequence_across_calls_carries_the_state():
     out2, state2 = ours(second, recurrent_kda, initial_state=state1)
     torch.testing.assert_close(torch.cat([out1, out2], dim=1), whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state2, whole_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_equals_conv1d_and_carries_its_state(dtype):
+    """The tap-by-tap short convolution against `F.conv1d` + SiLU on the zero-padded history, whole and split."""
+    import torch.nn.functional as F
+
+    from modeling_kimi_k3 import KimiK3ShortConv
+
+    torch.manual_seed(0)
+    conv = KimiK3ShortConv(48, 4)
+    torch.nn.init.normal_(conv.weight)
+    x = torch.randn(2, 11, 48).to(dtype)
+    padded = F.pad(x.transpose(1, 2), (3, 0))
+    ref = F.silu(F.conv1d(padded, conv.weight.to(dtype), groups=48)).transpose(1, 2)
+    with torch.no_grad():
+        whole, _ = conv(x)
+        head, state = conv(x[:, :7])
+        steps = [head]
+        for t in range(7, 11):  # decode: one token at a time
+            y, state = conv(x[:, t : t + 1], state)
+            steps.append(y)
+    assert whole.dtype == dtype and ref.abs().max() > 1.0
+    torch.testing.assert_close(whole, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(state, x[:, -3:].transpose(1, 2))

@@ -97,10 +97,15 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
 # fla-core dispatch (CUDA)
 # ------------------------------------------------------------------------------------------------------------------
 
-# Opt-in (KIMI_K3_FLA_KDA=1) until it is understood why, inside a whole bf16 model, this path's logits differ from the
-# reference by ~25 % relative (the reference in bf16 vs fp32: ~5 %), although the kernels alone match the reference
-# within bf16 tolerance (tests/test_gpu_paths.py). Benchmarks and tests set it directly to compare the two paths.
-ENABLED = os.environ.get("KIMI_K3_FLA_KDA", "0") == "1"
+# fla-core's kernels are used on CUDA wherever fla imports (KIMI_K3_FLA_KDA=0 switches them off): its decode kernel
+# always, its chunked prefill kernel only with KIMI_K3_FLA_KDA_PREFILL=1 (`PREFILL`). Measured on an H200
+# (tests/test_gpu_paths.py, bench/results/layer_h200.md): on a small bf16 model's own activations every fla call is
+# within 0.4 % of the reference, output and state; but greedy decoding with fla's prefill strays (teacher-forced, the
+# reference's argmax is the chosen token at 86 % of 64 steps, largest shortfall 0.34-0.54 logit std, safe_gate on or
+# off), while with fla for decode steps only it stays at 97 % / 0.054 (the reference path itself: 98 % / 0.018
+# against the fp32-dequant experts). Prefill then runs the reference's chunked form (64-token chunks on CUDA).
+ENABLED = os.environ.get("KIMI_K3_FLA_KDA", "1") == "1"
+PREFILL = os.environ.get("KIMI_K3_FLA_KDA_PREFILL", "0") == "1"
 # fla's `safe_gate` (16-row tensor-core sub-chunks, valid for gates bounded in [lower_bound, 0) with lower_bound
 # >= -5): None uses it whenever the bound allows; False never.
 SAFE_GATE = None
@@ -109,11 +114,13 @@ _fla = None
 
 
 def _load():
-    """fla's two KDA entry points, or None where fla-core (or its Triton) cannot be imported."""
+    """fla's KDA prefill and decode entry points, or None where fla-core (or its Triton) cannot be imported. The
+    decode one is fla's forward function under `fused_recurrent_kda`, which can also update the state in place."""
     global _fla
     if _fla is None:
         try:
-            from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
+            from fla.ops.kda import chunk_kda as fla_chunk
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_recurrent
 
             _fla = (fla_chunk, fla_recurrent)
         except Exception:  # ImportError, or fla refusing the platform
@@ -130,19 +137,24 @@ def available(device=None):
     return _load() is not None
 
 
-def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, decode=False):
+def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, decode=False,
+                in_place=False):
     """KDA core. q, k, g_raw: [B, T, H, K]; v: [B, T, H, V]; beta_raw: [B, T, H] (logits); A_log: [H];
-    dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `decode` selects the step-by-step kernel.
+    dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `decode` selects the step-by-step kernel;
+    `in_place` lets fla's decode kernel write the new state over `initial_state` (a static cache's buffer; the
+    reference path always returns a new tensor).
 
     Returns (o [B, T, H, V] in v's dtype on the fla path, fp32 on the reference path; state [B, H, K, V] fp32).
     """
-    kernels = _load() if (q.is_cuda and available()) else None
+    kernels = _load() if (q.is_cuda and available() and (decode or PREFILL)) else None
     if kernels is None:
         g = kda_gate(g_raw, A_log, dt_bias, lower_bound)
         beta = torch.sigmoid(beta_raw.float())
-        kernel = recurrent_kda if decode else chunk_kda
-        return kernel(l2norm(q.float()), l2norm(k.float()), v.float(), g, beta, scale=scale,
-                      initial_state=initial_state)
+        inputs = (l2norm(q.float()), l2norm(k.float()), v.float(), g, beta)
+        if decode:
+            return recurrent_kda(*inputs, scale=scale, initial_state=initial_state)
+        # 16-token chunks suit a CPU's caches; on a GPU fewer, larger chunks mean fewer kernel launches
+        return chunk_kda(*inputs, scale=scale, initial_state=initial_state, chunk_size=64 if q.is_cuda else 16)
     fla_chunk, fla_recurrent = kernels
     dtype = v.dtype
     q, k, g_raw, beta_raw = (t.to(dtype).contiguous() for t in (q, k, g_raw, beta_raw))
@@ -160,7 +172,8 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
         lower_bound=lower_bound,
     )
     if decode:
-        o, state = fla_recurrent(q, k, v.contiguous(), g_raw, beta_raw, **common)
+        in_place = in_place and initial_state is not None
+        o, state = fla_recurrent(q, k, v.contiguous(), g_raw, beta_raw, inplace_final_state=in_place, **common)
     else:
         safe = SAFE_GATE is not False and lower_bound is not None and -5 <= lower_bound < 0
         o, state = fla_chunk(q, k, v.contiguous(), g_raw, beta_raw, safe_gate=safe, **common)

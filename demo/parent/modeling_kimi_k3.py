@@ -24,12 +24,14 @@ try:
     from .configuration_kimi_k3 import KimiK3Config
     from .kda import kda_forward
     from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
-    from .mxfp4_triton import routed_experts as triton_routed_experts
+    from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
+    from .mxfp4_triton import situ_glu as triton_situ_glu
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
     from kda import kda_forward
     from mxfp4 import dequantize_mxfp4, quantize_mxfp4
-    from mxfp4_triton import routed_experts as triton_routed_experts
+    from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
+    from mxfp4_triton import situ_glu as triton_situ_glu
 
 logger = logging.get_logger(__name__)
 
@@ -39,14 +41,18 @@ logger = logging.get_logger(__name__)
 
 
 def situ_glu(gate, up, beta, linear_beta):
-    """SiTU-GLU in fp32: `beta*tanh(g/beta) * sigmoid(g) * linear_beta*tanh(u/linear_beta)`."""
+    """SiTU-GLU in fp32: `beta*tanh(g/beta) * sigmoid(g) * linear_beta*tanh(u/linear_beta)` (one Triton kernel on
+    CUDA)."""
+    fused = triton_situ_glu(gate, up, beta, linear_beta) if gate.is_cuda else None
+    if fused is not None:
+        return fused
     g, u = gate.float(), up.float()
     act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
     return act.to(gate.dtype)
 
 
 class KimiK3RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back to the input dtype."""
+    """RMSNorm computed in fp32 and cast back to the input dtype (on CUDA one fused kernel, which does the same)."""
 
     def __init__(self, hidden_size, eps=1e-5):
         super().__init__()
@@ -54,9 +60,11 @@ class KimiK3RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
+        if hidden_states.is_cuda and hidden_states.dtype == self.weight.dtype:
+            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
         x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (x * self.weight.float()).to(hidden_states.dtype)
+        x = x * x.pow(2).mean(-1, keepdim=True).add_(self.variance_epsilon).rsqrt_()  # in place on fresh tensors only
+        return x.mul_(self.weight.float()).to(hidden_states.dtype)
 
 
 class KimiK3MLP(nn.Module):
@@ -85,7 +93,7 @@ def attn_res_mix(sources, norm, proj):
     """
     if len(sources) == 1:
         return sources[0]
-    stacked = torch.stack([s.float() for s in sources])  # [n, B, T, H]
+    stacked = torch.stack(sources).float()  # [n, B, T, H]
     weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
     return (weights * stacked).sum(0).to(sources[-1].dtype)
 
@@ -98,7 +106,7 @@ class KimiK3AttnResProj(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
     def forward(self, x):
-        return (x.float() * self.weight[0].float()).sum(-1)
+        return x.float() @ self.weight[0].float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,20 +118,36 @@ def _padded(n, multiple):
     return -(-n // multiple) * multiple
 
 
+def short_conv(x, weight, state=None):
+    """Causal depthwise convolution + SiLU. x: [B, T, D]; weight: [D, 1, kernel]; state: [B, D, kernel-1] (the
+    inputs before x) or None (zeros). Returns (y [B, T, D], new state).
+
+    Summed tap by tap, in fp32 with one fused multiply-add per tap, rounded to x's dtype once: the same bits as
+    `F.conv1d` on CPU (oneDNN accumulates so), at a fraction of its per-call cost, which dominates at decode.
+    Each channel is computed on its own, so convolutions over concatenated channels give each one's bits.
+    """
+    x = x.transpose(1, 2)
+    kernel = weight.shape[-1]
+    if state is None:
+        state = x.new_zeros(x.shape[0], x.shape[1], kernel - 1)
+    full = torch.cat([state.to(x.dtype), x], dim=-1)
+    taps, weight = full.float(), weight[:, 0].to(x.dtype).float()
+    length = x.shape[-1]
+    y = taps[..., :length] * weight[:, :1]
+    for j in range(1, kernel):
+        y.addcmul_(taps[..., j : j + length], weight[:, j : j + 1])
+    return F.silu(y.to(x.dtype)).transpose(1, 2), full[..., full.shape[-1] - state.shape[-1] :]
+
+
 class KimiK3ShortConv(nn.Conv1d):
-    """Causal depthwise convolution + SiLU; with a cache it carries the last `kernel - 1` inputs across calls."""
+    """Causal depthwise convolution + SiLU (`short_conv`); with a cache it carries the last `kernel - 1` inputs."""
 
     def __init__(self, channels, kernel_size):
         super().__init__(channels, channels, kernel_size, groups=channels, bias=False)
 
     def forward(self, x, state=None):
         """x: [B, T, D]; state: [B, D, kernel-1] or None (zeros). Returns (y [B, T, D], new state)."""
-        x = x.transpose(1, 2)
-        if state is None:
-            state = x.new_zeros(x.shape[0], x.shape[1], self.kernel_size[0] - 1)
-        full = torch.cat([state.to(x.dtype), x], dim=-1)
-        y = F.conv1d(full, self.weight.to(x.dtype), groups=self.groups)
-        return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - state.shape[-1] :]
+        return short_conv(x, self.weight, state)
 
 
 class KimiK3DeltaAttention(nn.Module):
@@ -160,18 +184,24 @@ class KimiK3DeltaAttention(nn.Module):
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)  # padding leaves state and conv history at 0
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         conv_states, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
-        conv_states = conv_states or (None, None, None)
-        q, q_state = self.q_conv1d(self.q_proj(x), conv_states[0])
-        k, k_state = self.k_conv1d(self.k_proj(x), conv_states[1])
-        v, v_state = self.v_conv1d(self.v_proj(x), conv_states[2])
+        if all(c.weight.device == x.device for c in convs):  # one conv over the concatenated channels: 1/3 the ops
+            widths = [c.out_channels for c in convs]
+            qkv, qkv_state = short_conv(torch.cat(projected, dim=-1), torch.cat([c.weight for c in convs]),
+                                        None if conv_states is None else torch.cat(conv_states, dim=1))
+            (q, k, v), conv_states = qkv.split(widths, dim=-1), qkv_state.split(widths, dim=1)
+        else:  # offloaded: accelerate's hooks load each conv's weight only for its own forward
+            (q, k, v), conv_states = zip(*(c(y, s) for c, y, s in zip(convs, projected, conv_states or (None,) * 3)))
         g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
         # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, self.b_proj(x),
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                               state, decode=length == 1 and state is not None)
+                               state, decode=length == 1 and state is not None,
+                               in_place=cache is not None and cache.in_place)
         if cache is not None:
-            cache.update_kda(self.layer_idx, (q_state, k_state, v_state), state)
+            cache.update_kda(self.layer_idx, tuple(conv_states), state)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(heads)
         return self.o_proj(o.reshape(batch, length, -1))
 
@@ -346,6 +376,17 @@ class KimiK3Expert(nn.Module):
     def forward(self, z):
         return self.w2(situ_glu(self.w1(z), self.w3(z), self.beta, self.linear_beta))
 
+    def gated(self, z, w13):
+        """`situ(w1 z, w3 z)` on given weights w13 [..., 2*inner, L] (w1's rows, then w3's); with a leading expert
+        dimension on both it runs one batched matmul."""
+        h = z @ w13.mT
+        inner = h.shape[-1] // 2
+        return situ_glu(h[..., :inner], h[..., inner:], self.beta, self.linear_beta)
+
+
+# Most dequantized expert weights (w1, w3 and w2, in the activation dtype) the CPU/reference path holds at once.
+DEQUANT_CHUNK_BYTES = 64 << 20
+
 
 class KimiK3LatentMoE(nn.Module):
     """LatentMoE: route on the full hidden state, run the chosen experts in a narrower latent space, sum, norm, lift.
@@ -387,14 +428,57 @@ class KimiK3LatentMoE(nn.Module):
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
         token = order // top_k
         routed = z[token]
-        out = torch.empty(routed.shape, dtype=torch.float32, device=z.device)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                out[start : start + count] = self.experts[e](routed[start : start + count]).float()
-                start += count
+        out = self.packed_experts(routed, counts)
+        if out is None:
+            out = torch.empty(routed.shape, dtype=torch.float32, device=z.device)
+            start = 0
+            for e, count in enumerate(counts):
+                if count:
+                    out[start : start + count] = self.experts[e](routed[start : start + count]).float()
+                    start += count
         out *= weights.flatten()[order, None]
         return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add_(0, token, out)
+
+    def packed_experts(self, routed, counts):
+        """`expert_e(rows)` in fp32 for MXFP4 experts, `routed` [pairs, L] sorted by expert with `counts[e]` rows
+        each: the per-expert loop's result from a few large ops instead of ~12 small ones per expert. None where the
+        experts are not MXFP4 or not all on `routed`'s device (e.g. offloaded by accelerate, whose hooks load them
+        only for the expert's own forward): the caller then runs the loop.
+
+        The packs are read from the layer's expert stacks (`mxfp4_triton.stack_experts`, which the per-expert
+        parameters then view). Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights):
+        one dequantization of all their w1 and w3 packs and one of their w2 packs (after the first is used), each
+        followed, where every expert has the same number of rows (a decode step), by a batched matmul over the
+        chunk, else by a matmul per expert.
+        """
+        first = self.experts[0]
+        if not isinstance(first.w1, MXFP4Linear) or first.w1.weight_packed.device != routed.device:
+            return None
+        stack = stack_experts(self)
+        if stack is None:  # the experts are on several devices
+            return None
+        latent, inner = stack.latent, stack.inner
+        hit = [e for e, count in enumerate(counts) if count]
+        step = max(1, DEQUANT_CHUNK_BYTES // (3 * latent * inner * routed.element_size()))
+        out, start = [], 0
+        for chunk in (hit[i : i + step] for i in range(0, len(hit), step)):
+            sizes = [counts[e] for e in chunk]
+            rows = routed[start : start + sum(sizes)]
+            start += sum(sizes)
+            index = torch.tensor(chunk, device=routed.device)
+            w1, s1, w3, s3, w2, s2 = (t.index_select(0, index) for t in stack[:6])
+            uniform = min(sizes) == max(sizes)
+            w13 = dequantize_mxfp4(torch.cat([w1, w3], 1).flatten(0, 1), torch.cat([s1, s3], 1).flatten(0, 1),
+                                   dtype=rows.dtype).view(len(chunk), 2 * inner, latent)
+            if uniform:
+                act = first.gated(rows.view(len(chunk), sizes[0], latent), w13)
+            else:
+                act = [first.gated(x, w13[i]) for i, x in enumerate(rows.split(sizes))]
+            del w13  # before w2 is dequantized: the two are never held at once
+            w2 = dequantize_mxfp4(w2.flatten(0, 1), s2.flatten(0, 1), dtype=rows.dtype).view(len(chunk), latent, inner)
+            y = (act @ w2.mT).view(-1, latent) if uniform else torch.cat([a @ w2[i].mT for i, a in enumerate(act)])
+            out.append(y.float())
+        return torch.cat(out) if out else torch.empty(routed.shape, dtype=torch.float32, device=routed.device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -460,6 +544,7 @@ class KimiK3Cache:
     on each layer's device. Layers reach it only through `prepare`, `kda_state`, `update_kda` and `update_latent`."""
 
     is_compileable = False
+    in_place = False  # whether kernels may overwrite the state tensors they are given
 
     def __init__(self, config):
         config = getattr(config, "text_config", config)
@@ -521,6 +606,8 @@ class KimiK3StaticCache(KimiK3Cache):
     captured, the rest are replays. Pass it to `generate(past_key_values=...)`.
     """
 
+    in_place = True
+
     def __init__(self, config, batch_size, max_length, cuda_graph=True):
         super().__init__(config)
         self.batch_size, self.max_length, self.cuda_graph = batch_size, max_length, cuda_graph
@@ -556,7 +643,8 @@ class KimiK3StaticCache(KimiK3Cache):
             return
         for buffer, new in zip(self.conv_states[layer_idx] + (self.recurrent_states[layer_idx],),
                                conv_states + (recurrent_state,)):
-            buffer.copy_(new)
+            if new is not buffer:  # fla's decode kernel already wrote the state into its buffer
+                buffer.copy_(new)
 
     def update_latent(self, layer_idx, latent, positions):
         buffer = self.latents[layer_idx]
@@ -637,6 +725,8 @@ class KimiK3TextModel(nn.Module):
         else:
             _check_mask(attention_mask, length)
             positions = torch.arange(length, device=device)
+        if attention_mask is not None and attention_mask.device.type == "cpu" and bool(attention_mask.all()):
+            attention_mask = None  # no padding: same outputs without each layer's masking ops (a CPU read is free)
         bank, partial = (), inputs_embeds
         for layer in self.layers:
             bank, partial = layer(bank, partial, attention_mask, cache, positions)
@@ -827,6 +917,11 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self):
         return self.language_model.lm_head
+
+    def make_static_cache(self, batch_size, max_length, cuda_graph=True):
+        """A `KimiK3StaticCache` for `generate(..., past_key_values=cache)`: preallocated for `max_length` tokens
+        (prompt + new) of `batch_size` rows; on one CUDA device each one-token step is then a CUDA-graph replay."""
+        return KimiK3StaticCache(self.config, batch_size, max_length, cuda_graph)
 
     def set_output_embeddings(self, value):
         self.language_model.lm_head = value

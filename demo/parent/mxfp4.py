@@ -11,6 +11,8 @@ scales of compressed-tensors' own ``calculate_qparams`` (tests/test_mxfp4.py che
 This module needs only torch, so remote code can import it without compressed-tensors.
 """
 
+import functools
+
 import torch
 
 GROUP_SIZE = 32
@@ -109,11 +111,32 @@ def dequantize_mxfp4(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     out_features, half_in = weight_packed.shape
-    device = weight_packed.device
-    pairs = torch.nn.functional.embedding(weight_packed.long(), BYTE_TO_PAIR.to(device=device, dtype=dtype))
-    values = pairs.reshape(out_features, -1, GROUP_SIZE)
-    scale = E8M0_VALUES.to(device=device)[weight_scale.long()].to(dtype)
-    return (values * scale.unsqueeze(-1)).reshape(out_features, 2 * half_in)
+    pairs, scales = _tables(weight_packed.device, dtype)
+    codes = weight_packed.reshape(-1).int()
+    if pairs.ndim == 1:
+        values = pairs.index_select(0, codes).view(dtype)
+    else:
+        values = torch.nn.functional.embedding(codes, pairs)
+    scale = scales.index_select(0, weight_scale.reshape(-1).int()).view(out_features, -1, 1)
+    return values.view(out_features, -1, GROUP_SIZE).mul_(scale).view(out_features, 2 * half_in)  # values is ours
+
+
+# An integer as wide as two elements of a dtype, by its element size: a byte's pair read as one integer.
+_PAIR_AS_INT = {2: torch.int32, 4: torch.int64}
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``BYTE_TO_PAIR`` and ``E8M0_VALUES`` cast to ``dtype`` on ``device``, built once per pair.
+
+    Where ``dtype`` is 2 or 4 bytes wide the pair table is viewed as 256 integers, so that the byte lookup is
+    a 1-D ``index_select`` (on CPU about twice as fast as gathering rows of pairs); otherwise it stays [256, 2].
+    Casting the tables rather than the looked-up values gives the same numbers.
+    """
+    pairs = BYTE_TO_PAIR.to(device=device, dtype=dtype)
+    if pairs.element_size() in _PAIR_AS_INT:
+        pairs = pairs.view(_PAIR_AS_INT[pairs.element_size()]).reshape(256)
+    return pairs, E8M0_VALUES.to(device=device).to(dtype)
 
 
 def _scale_codes(weight: torch.Tensor) -> torch.Tensor:

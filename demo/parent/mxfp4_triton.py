@@ -1,4 +1,5 @@
-"""Triton kernels for the MXFP4 routed experts of a `KimiK3LatentMoE` block (CUDA; optional fast path).
+"""Triton kernels for the MXFP4 routed experts of a `KimiK3LatentMoE` block (CUDA; optional fast path), and the
+SiTU-GLU of the shared experts and the dense MLP as one elementwise kernel.
 
 The packed bytes are read as stored (compressed-tensors `mxfp4-pack-quantized`, see `mxfp4.py`): per expert
 w1/w3 `weight_packed` [I, L/2] (element 2j in the low nibble), `weight_scale` [I, L/32] (E8M0), w2 [L, I/2] and
@@ -15,8 +16,9 @@ upcasts the nibbles to bf16 in registers), a packed inline-PTX nibble -> bf16 co
 ("asm"), or an explicit fp32 dequant followed by `tl.dot` ("manual": what the Triton interpreter runs on CPU in
 the tests). Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
-Only `routed_experts` is called by the model; it returns None when this path does not apply (no triton, experts
-not packed, tensors not on one CUDA device), and the caller falls back to the reference loop.
+The model calls `routed_experts` and `situ_glu`, each of which returns None when its path does not apply (no
+triton, experts not packed, tensors not on one CUDA device) so that the caller falls back to the torch reference,
+and `stack_experts`, whose stacks that reference path reads too.
 """
 
 import os
@@ -38,9 +40,11 @@ ENABLED = True
 # for the w13 and the w2 kernel (BM must agree between the two: they share the routing metadata); optional keys
 # "upcast", "atomic", "fast_math" override the module defaults below for that regime.
 # The defaults are the fastest correct variants of bench/layer.py's sweep on an H200 (bench/results/layer_h200.*):
-# tl.dot_scaled with fast_math beat the inline-PTX upcasts there, at decode and at prefill.
+# tl.dot_scaled with fast_math beat the inline-PTX upcasts and the CUDA-core kernels there, at decode and at prefill;
+# at decode 2-warp programs of 32 rows beat 4-warp ones of 64 (2.82x vs 3.11x the floor at batch 1, 2.39x vs 2.76x
+# at batch 8).
 CONFIGS = {
-    "decode": dict(BM=16, w13=(64, 128, 4, 4), w2=(64, 128, 4, 4), upcast="dot_scaled", fast_math=True),
+    "decode": dict(BM=16, w13=(32, 128, 2, 4), w2=(32, 128, 2, 4), upcast="dot_scaled", fast_math=True),
     "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3), upcast="dot_scaled", fast_math=True),
 }
 # Pairs per expert (on average) at or below which the decode configuration is used.
@@ -75,7 +79,7 @@ def available():
 
 def _stack_key(moe):
     first, last = moe.experts[0], moe.experts[-1]
-    return tuple(p.data_ptr() for p in (first.w1.weight_packed, last.w2.weight_scale))
+    return (len(moe.experts),) + tuple(p.data_ptr() for p in (first.w1.weight_packed, last.w2.weight_scale))
 
 
 def stack_experts(moe, share=True):
@@ -83,7 +87,8 @@ def stack_experts(moe, share=True):
 
     With `share` the per-expert parameters are then re-pointed at views of the stacks, so the experts are held
     once (the values, shapes and names of the parameters are unchanged). The cache is rebuilt only if the
-    parameters were replaced since (e.g. by `.to()`), which the data pointers of two of them reveal.
+    parameters were replaced since (e.g. by `.to()`), which the data pointers of two of them reveal, or the
+    number of experts changed.
     """
     cached = getattr(moe, "_mxfp4_stack", None)
     if cached is not None and cached.key == _stack_key(moe):
@@ -143,6 +148,16 @@ def align_blocks(ids, num_experts, block_m):
     rows[slot] = order.to(torch.int32)
     block_expert = torch.searchsorted(block_end, torch.arange(total, device=device), right=True)
     return rows, block_expert.to(torch.int32).clamp_(max=num_experts)
+
+
+def pair_blocks(ids, block_m):
+    """`align_blocks`' layout with one block per (token, slot) pair and no sort: for a single token, whose top-k
+    experts are distinct, so no expert's weights are read twice. Four small kernels instead of about twelve."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    rows = torch.full((pairs, block_m), pairs, dtype=torch.int32, device=flat.device)
+    rows[:, 0] = torch.arange(pairs, dtype=torch.int32, device=flat.device)
+    return rows.reshape(-1), flat.to(torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,6 +277,17 @@ if triton is not None:
     @triton.jit
     def _tanh(x):
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+    @triton.jit
+    def _situ_glu_kernel(g_ptr, u_ptr, out_ptr, n, BETA: tl.constexpr, LINEAR_BETA: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """out = SiTU-GLU(g, u) elementwise, in fp32 like the reference, rounded once to out's dtype."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        act = (BETA * _tanh(g / BETA)) * tl.sigmoid(g) * (LINEAR_BETA * _tanh(u / LINEAR_BETA))
+        tl.store(out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["num_pairs", "top_k"])
     def _w13_kernel(z_ptr, rows_ptr, block_expert_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
@@ -392,7 +418,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     atomic = config.get("atomic", ATOMIC_COMBINE) if atomic is None else atomic
     block_m = config["BM"]
     x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
-    rows, block_expert = align_blocks(ids, num_experts, block_m)
+    rows, block_expert = pair_blocks(ids, block_m) if tokens == 1 else align_blocks(ids, num_experts, block_m)
     blocks = block_expert.numel()
     h = torch.empty(pairs, inner, dtype=h_dtype or x.dtype, device=x.device)
     bn, bk, warps, stages = config["w13"]
@@ -417,6 +443,20 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         num_warps=warps, num_stages=stages,
     )
     return y if atomic else y.view(tokens, top_k, latent).sum(1)
+
+
+def situ_glu(gate, up, beta, linear_beta):
+    """`modeling_kimi_k3.situ_glu` as one kernel (about a dozen torch kernels otherwise), or None where it does not
+    apply (no triton, not CUDA, shapes or layouts that differ)."""
+    on_device = gate.is_cuda or _INTERPRET  # the interpreter runs it on CPU tensors (tests)
+    if not (available() and on_device and gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous()):
+        return None
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    block = 1024
+    _situ_glu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BETA=float(beta), LINEAR_BETA=float(linear_beta),
+                                               BLOCK=block)
+    return out
 
 
 def routed_experts(moe, z, ids, weights):
