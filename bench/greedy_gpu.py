@@ -1,0 +1,59 @@
+"""Which fast path moves greedy decoding away from the reference: the teacher-forced check of
+tests/test_gpu_paths.py (64 greedy steps of its small bf16 model) with one fast path on at a time, then all.
+
+Prints, per combination, the share of steps where the reference's argmax is the fast run's token and the mean and
+largest shortfall in logit standard deviations. CUDA only: `python bench/greedy_gpu.py`.
+"""
+
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import kda  # noqa: E402
+import modeling_kimi_k3  # noqa: E402
+from test_gpu_paths import small_model, teacher_forced  # noqa: E402
+
+COMBINATIONS = {  # Triton experts, Triton SiTU-GLU, fla decode, fla prefill
+    "reference": (False, False, False, False),
+    "triton experts": (True, False, False, False),
+    "triton situ": (False, True, False, False),
+    "fla decode": (False, False, True, False),
+    "fla prefill": (False, False, False, True),
+    "all": (True, True, True, True),
+}
+
+
+def off(*args):
+    return None
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
+        kda.quick_tune(1)
+    model = small_model()
+    prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device="cuda")
+    experts, situ = modeling_kimi_k3.triton_routed_experts, modeling_kimi_k3.triton_situ_glu
+    for name, (use_experts, use_situ, decode, prefill) in COMBINATIONS.items():
+        modeling_kimi_k3.triton_routed_experts = experts if use_experts else off
+        modeling_kimi_k3.triton_situ_glu = situ if use_situ else off
+        kda.ENABLED, kda.PREFILL = decode or prefill, prefill
+        try:
+            with torch.no_grad():
+                fast = model.generate(prompt, max_new_tokens=64, do_sample=False)
+        finally:
+            modeling_kimi_k3.triton_routed_experts, modeling_kimi_k3.triton_situ_glu = experts, situ
+        agree, mean_gap, max_gap = teacher_forced(model, prompt, fast)  # switches everything off itself
+        print(f"{name:15s}: argmax agreement {agree:5.0%}, mean gap {mean_gap:.4f}, largest {max_gap:.3f} logit std",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
