@@ -17,13 +17,13 @@ import kda  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
 from test_gpu_paths import small_model, teacher_forced  # noqa: E402
 
-COMBINATIONS = {  # Triton experts, Triton SiTU-GLU, fla decode, fla prefill
-    "reference": (False, False, False, False),
-    "triton experts": (True, False, False, False),
-    "triton situ": (False, True, False, False),
-    "fla decode": (False, False, True, False),
-    "fla prefill": (False, False, False, True),
-    "all": (True, True, True, True),
+COMBINATIONS = {  # Triton experts, fla decode, fla prefill
+    "reference": (False, False, False),
+    "triton experts": (True, False, False),
+    "fla decode": (False, True, False),
+    "fla prefill": (False, False, True),
+    "defaults": (True, True, False),
+    "all": (True, True, True),
 }
 
 
@@ -39,16 +39,15 @@ def main():
         kda.quick_tune(1)
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device="cuda")
-    experts, situ = modeling_kimi_k3.triton_routed_experts, modeling_kimi_k3.triton_situ_glu
-    for name, (use_experts, use_situ, decode, prefill) in COMBINATIONS.items():
+    experts = modeling_kimi_k3.triton_routed_experts
+    for name, (use_experts, decode, prefill) in COMBINATIONS.items():
         modeling_kimi_k3.triton_routed_experts = experts if use_experts else off
-        modeling_kimi_k3.triton_situ_glu = situ if use_situ else off
         kda.ENABLED, kda.PREFILL = decode or prefill, prefill
         try:
             with torch.no_grad():
                 fast = model.generate(prompt, max_new_tokens=64, do_sample=False)
         finally:
-            modeling_kimi_k3.triton_routed_experts, modeling_kimi_k3.triton_situ_glu = experts, situ
+            modeling_kimi_k3.triton_routed_experts = experts
         agree, mean_gap, max_gap = teacher_forced(model, prompt, fast)  # switches everything off itself
         print(f"{name:15s}: argmax agreement {agree:5.0%}, mean gap {mean_gap:.4f}, largest {max_gap:.3f} logit std",
               flush=True)

@@ -25,13 +25,11 @@ try:
     from .kda import kda_forward
     from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
-    from .mxfp4_triton import situ_glu as triton_situ_glu
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
     from kda import kda_forward
     from mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
-    from mxfp4_triton import situ_glu as triton_situ_glu
 
 logger = logging.get_logger(__name__)
 
@@ -41,11 +39,7 @@ logger = logging.get_logger(__name__)
 
 
 def situ_glu(gate, up, beta, linear_beta):
-    """SiTU-GLU in fp32: `beta*tanh(g/beta) * sigmoid(g) * linear_beta*tanh(u/linear_beta)` (one Triton kernel on
-    CUDA)."""
-    fused = triton_situ_glu(gate, up, beta, linear_beta) if gate.is_cuda else None
-    if fused is not None:
-        return fused
+    """SiTU-GLU in fp32: `beta*tanh(g/beta) * sigmoid(g) * linear_beta*tanh(u/linear_beta)`."""
     g, u = gate.float(), up.float()
     act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
     return act.to(gate.dtype)

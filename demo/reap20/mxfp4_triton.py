@@ -1,5 +1,4 @@
-"""Triton kernels for the MXFP4 routed experts of a `KimiK3LatentMoE` block (CUDA; optional fast path), and the
-SiTU-GLU of the shared experts and the dense MLP as one elementwise kernel.
+"""Triton kernels for the MXFP4 routed experts of a `KimiK3LatentMoE` block (CUDA; optional fast path).
 
 The packed bytes are read as stored (compressed-tensors `mxfp4-pack-quantized`, see `mxfp4.py`): per expert
 w1/w3 `weight_packed` [I, L/2] (element 2j in the low nibble), `weight_scale` [I, L/32] (E8M0), w2 [L, I/2] and
@@ -16,9 +15,9 @@ upcasts the nibbles to bf16 in registers), a packed inline-PTX nibble -> bf16 co
 ("asm"), or an explicit fp32 dequant followed by `tl.dot` ("manual": what the Triton interpreter runs on CPU in
 the tests). Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
-The model calls `routed_experts` and `situ_glu`, each of which returns None when its path does not apply (no
-triton, experts not packed, tensors not on one CUDA device) so that the caller falls back to the torch reference,
-and `stack_experts`, whose stacks that reference path reads too.
+The model calls `routed_experts`, which returns None when this path does not apply (no triton, experts not packed,
+tensors not on one CUDA device) so that the caller falls back to the reference path, and `stack_experts`, whose
+stacks that reference path reads too.
 """
 
 import os
@@ -41,10 +40,10 @@ ENABLED = True
 # "upcast", "atomic", "fast_math" override the module defaults below for that regime.
 # The defaults are the fastest correct variants of bench/layer.py's sweep on an H200 (bench/results/layer_h200.*):
 # tl.dot_scaled with fast_math beat the inline-PTX upcasts and the CUDA-core kernels there, at decode and at prefill;
-# at decode 2-warp programs of 32 rows beat 4-warp ones of 64 (2.82x vs 3.11x the floor at batch 1, 2.39x vs 2.76x
-# at batch 8).
+# at decode 2-warp programs of 32 rows with 3 stages beat 4-warp ones of 64 (2.75x vs 3.18x the floor at batch 1,
+# 2.34x vs 2.78x at batch 8).
 CONFIGS = {
-    "decode": dict(BM=16, w13=(32, 128, 2, 4), w2=(32, 128, 2, 4), upcast="dot_scaled", fast_math=True),
+    "decode": dict(BM=16, w13=(32, 128, 2, 3), w2=(32, 128, 2, 3), upcast="dot_scaled", fast_math=True),
     "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3), upcast="dot_scaled", fast_math=True),
 }
 # Pairs per expert (on average) at or below which the decode configuration is used.
@@ -278,17 +277,6 @@ if triton is not None:
     def _tanh(x):
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
-    @triton.jit
-    def _situ_glu_kernel(g_ptr, u_ptr, out_ptr, n, BETA: tl.constexpr, LINEAR_BETA: tl.constexpr,
-                         BLOCK: tl.constexpr):
-        """out = SiTU-GLU(g, u) elementwise, in fp32 like the reference, rounded once to out's dtype."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        act = (BETA * _tanh(g / BETA)) * tl.sigmoid(g) * (LINEAR_BETA * _tanh(u / LINEAR_BETA))
-        tl.store(out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
-
     @triton.jit(do_not_specialize=["num_pairs", "top_k"])
     def _w13_kernel(z_ptr, rows_ptr, block_expert_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                     num_pairs, top_k, stride_z, stride_h, K: tl.constexpr, N: tl.constexpr,
@@ -443,20 +431,6 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         num_warps=warps, num_stages=stages,
     )
     return y if atomic else y.view(tokens, top_k, latent).sum(1)
-
-
-def situ_glu(gate, up, beta, linear_beta):
-    """`modeling_kimi_k3.situ_glu` as one kernel (about a dozen torch kernels otherwise), or None where it does not
-    apply (no triton, not CUDA, shapes or layouts that differ)."""
-    on_device = gate.is_cuda or _INTERPRET  # the interpreter runs it on CPU tensors (tests)
-    if not (available() and on_device and gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous()):
-        return None
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    block = 1024
-    _situ_glu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BETA=float(beta), LINEAR_BETA=float(linear_beta),
-                                               BLOCK=block)
-    return out
 
 
 def routed_experts(moe, z, ids, weights):
