@@ -141,6 +141,17 @@ def test_static_cache_generates_what_the_growing_cache_does(model):
     torch.testing.assert_close(step[:, 0], full[:, 7], atol=1e-5, rtol=1e-4)
 
 
+def test_static_cache_reset_serves_a_new_prompt(model):
+    first, second = torch.tensor([[4, 8, 15, 16, 23]]), torch.tensor([[300, 2, 17, 9, 41, 7, 7]])
+    with torch.no_grad():
+        cache = model.make_static_cache(batch_size=1, max_length=20)
+        model.generate(first, max_new_tokens=10, do_sample=False, past_key_values=cache)
+        cache.reset()
+        reused = model.generate(second, max_new_tokens=10, do_sample=False, past_key_values=cache)
+        fresh = model.generate(second, max_new_tokens=10, do_sample=False)
+    assert torch.equal(reused, fresh)
+
+
 def test_static_cache_beam_search_and_limits(model):
     prompt = torch.tensor([[21, 22, 23, 24]])
     with torch.no_grad():

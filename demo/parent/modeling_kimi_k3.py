@@ -597,7 +597,8 @@ class KimiK3StaticCache(KimiK3Cache):
     as future keys); KDA states are copied into their buffers. The attention mask and the position counter live in
     device buffers too. With `cuda_graph=True` (and the model on one CUDA device), `KimiK3ForCausalLM` runs each
     one-token step through `decode_step`: the first eagerly (it warms up kernels and libraries), the second is
-    captured, the rest are replays. Pass it to `generate(past_key_values=...)`.
+    captured, the rest are replays. Pass it to `generate(past_key_values=...)`; `reset()` readies it, graph and all,
+    for the next prompt.
     """
 
     in_place = True
@@ -645,6 +646,15 @@ class KimiK3StaticCache(KimiK3Cache):
         if buffer is None:
             buffer = self.latents[layer_idx] = latent.new_zeros(self.batch_size, self.max_length, latent.shape[-1])
         return buffer.index_copy_(1, positions, latent)
+
+    def reset(self):
+        """Empty the cache for a new prompt of the same batch size, keeping its buffers and its captured graph (as
+        transformers' StaticCache.reset): zeroed states are what a first call starts from."""
+        buffers = [t for t in self.latents + self.recurrent_states if t is not None]
+        buffers += [t for s in self.conv_states if s is not None for t in s]
+        for t in buffers:
+            t.zero_()
+        self.seen_tokens = 0
 
     def reorder_cache(self, beam_idx):
         """Select batch rows (beam search), in place."""
