@@ -8,8 +8,8 @@ Per head, with key/value state S (K x V), decay g_t (log-space, per key channel)
 WY/UT form (prefill). Both take q, k already L2-normalised and apply `scale` to q, as fla's
 `naive_recurrent_kda` does; math runs in float32 (float64 inputs stay float64).
 
-`kda_forward` is what the model calls: fla-core's Triton kernels on CUDA where enabled (opt-in, below), else this
-reference. fla is imported lazily, so this module needs only torch.
+`kda_forward` is what the model calls: fla-core's Triton kernels on CUDA where they import (see ENABLED below),
+else this reference. fla is imported lazily, so this module needs only torch.
 """
 
 import os

@@ -4,8 +4,9 @@ Reads top to bottom as the architecture does (see SPEC §2): activations and nor
 MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the model and the causal-LM head.
 Module names follow the release checkpoint (`language_model.model.layers.{i}...`) so it loads unchanged.
 Every block has a pure-torch reference path, which runs anywhere and is what the tests compare against. On CUDA,
-KDA can use fla-core's kernels (`kda.kda_forward`, opt-in) and the routed experts Triton kernels that read the
-MXFP4 bytes directly (`mxfp4_triton.py`), each imported lazily and skipped when missing.
+KDA uses fla-core's kernels where they import (`kda.kda_forward`; prefill opt-in) and the routed experts Triton
+kernels that read the MXFP4 bytes directly (`mxfp4_triton.py`), each imported lazily and skipped when missing.
+`KimiK3StaticCache` makes a decode step graph-capturable; `generate` then replays it.
 """
 
 import json
