@@ -241,8 +241,7 @@ class KimiK3MLAttention(nn.Module):
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
         if positions is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            positions = torch.arange(past, past + length, device=x.device)
+            positions = _next_positions(cache, length, x.device)
         if cache is not None:
             latent = cache.update_latent(self.layer_idx, latent, positions)  # every key these queries may see
         mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
@@ -282,6 +281,12 @@ class KimiK3MLAttention(nn.Module):
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.softmax(dim=-1).to(c.dtype)
         return torch.einsum("bhqr,hvr->bhqv", torch.einsum("bhqk,bkr->bhqr", probs, c), w_uv)
+
+
+def _next_positions(cache, length, device):
+    """Absolute positions of `length` new tokens: right after the ones `cache` has seen (from 0 without one)."""
+    past = cache.get_seq_length() if cache is not None else 0
+    return torch.arange(past, past + length, device=device)
 
 
 def _causal_padding_mask(attention_mask, positions, keys):
@@ -511,8 +516,7 @@ class KimiK3DecoderLayer(nn.Module):
         """attention_mask: [B, keys] over cached and new tokens, or None; positions: [T] absolute positions of the
         new tokens (default: right after the cached ones)."""
         if positions is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            positions = torch.arange(past, past + partial.shape[1], device=partial.device)
+            positions = _next_positions(cache, partial.shape[1], partial.device)
         sources = list(bank) + [partial]
         h = attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj)
         if self.opens_block:
@@ -555,7 +559,7 @@ class KimiK3Cache:
     def prepare(self, attention_mask, batch, length, device):
         """Check a call's mask and return (mask over every key, absolute positions [length] of the new tokens)."""
         _check_mask(attention_mask, self.seen_tokens + length)
-        return attention_mask, torch.arange(self.seen_tokens, self.seen_tokens + length, device=device)
+        return attention_mask, _next_positions(self, length, device)
 
     def kda_state(self, layer_idx):
         return self.conv_states[layer_idx], self.recurrent_states[layer_idx]
@@ -648,20 +652,21 @@ class KimiK3StaticCache(KimiK3Cache):
             buffer = self.latents[layer_idx] = latent.new_zeros(self.batch_size, self.max_length, latent.shape[-1])
         return buffer.index_copy_(1, positions, latent)
 
+    def _state_buffers(self):
+        """Every allocated latent, recurrent-state and conv-history buffer."""
+        buffers = [t for t in self.latents + self.recurrent_states if t is not None]
+        return buffers + [t for s in self.conv_states if s is not None for t in s]
+
     def reset(self):
         """Empty the cache for a new prompt of the same batch size, keeping its buffers and its captured graph (as
         transformers' StaticCache.reset): zeroed states are what a first call starts from."""
-        buffers = [t for t in self.latents + self.recurrent_states if t is not None]
-        buffers += [t for s in self.conv_states if s is not None for t in s]
-        for t in buffers:
+        for t in self._state_buffers():
             t.zero_()
         self.seen_tokens = 0
 
     def reorder_cache(self, beam_idx):
         """Select batch rows (beam search), in place."""
-        buffers = [t for t in self.latents + self.recurrent_states if t is not None]
-        buffers += [t for s in self.conv_states if s is not None for t in s]
-        for t in buffers + ([self.mask] if self.mask is not None else []):
+        for t in self._state_buffers() + ([self.mask] if self.mask is not None else []):
             t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
     def decode_step(self, step, input_ids, attention_mask):
@@ -729,7 +734,7 @@ class KimiK3TextModel(nn.Module):
             attention_mask, positions = cache.prepare(attention_mask, inputs_embeds.shape[0], length, device)
         else:
             _check_mask(attention_mask, length)
-            positions = torch.arange(length, device=device)
+            positions = _next_positions(None, length, device)
         if attention_mask is not None and attention_mask.device.type == "cpu" and bool(attention_mask.all()):
             attention_mask = None  # no padding: same outputs without each layer's masking ops (a CPU read is free)
         bank, partial = (), inputs_embeds
