@@ -30,29 +30,10 @@ sys.path.insert(0, ROOT)
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from layer import copy_bandwidth, expert_bytes, nbytes  # noqa: E402  (bench/layer.py)
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3StaticCache, MXFP4Linear  # noqa: E402
 
 GiB = 1 << 30
-
-
-def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def copy_bandwidth():
-    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    for _ in range(2):
-        b.copy_(a)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * a.numel() / (statistics.median(times) * 1e-3)
 
 
 def layer_bytes(model):
@@ -140,8 +121,7 @@ def floor_bytes(model, batch, context, unique_experts):
             total += batch * p.shape[1] * p.element_size()
         else:
             total += nbytes([p])
-    expert = text.layers[1].block_sparse_moe.experts[0]
-    total += unique_experts * nbytes(list(expert.parameters()))
+    total += unique_experts * expert_bytes(text.layers[1])
     for layer in text.layers:
         attn = layer.self_attn
         if hasattr(attn, "A_log"):
@@ -317,7 +297,7 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
 
-    results["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9
+    results["copy_bandwidth_GBps"] = copy_bandwidth(10) / 1e9
     print(f"{layers} of {len(sizes)} layers ({results['weights_GiB']:.1f} GiB of weights) on "
           f"{results['device']}; copy bandwidth {results['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
     t0 = time.time()

@@ -87,13 +87,17 @@ def time_ms(fn, reps, warmup=1, setup=None):
     return statistics.median(times)
 
 
-def ceilings(quick):
-    n = 1 << 31 if DEVICE == "cuda" else 1 << 24  # 2 GiB each way
+def copy_bandwidth(reps):
+    """Device-to-device copy bandwidth in bytes/s, read + write counted (2 GiB each way on a GPU)."""
+    n = 1 << 31 if DEVICE == "cuda" else 1 << 24
     a = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
     b = torch.empty_like(a)
-    ms = time_ms(lambda: b.copy_(a), 5 if quick else 10, warmup=2)
-    copy_bw = 2 * n / (ms * 1e-3)
+    ms = time_ms(lambda: b.copy_(a), reps, warmup=2)
+    return 2 * n / (ms * 1e-3)
 
+
+def ceilings(quick):
+    copy_bw = copy_bandwidth(5 if quick else 10)
     m = 8192 if DEVICE == "cuda" else 256
     x = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
