@@ -6,6 +6,8 @@ materialises them on the GPU with random weights (MXFP4 packs: random bytes, sca
 `--context` random tokens through a `KimiK3StaticCache`, then times decode steps at batch 1 and 8:
   * eager: the model's forward on the static cache with graphs off (the fast kernels, launched one by one);
   * graph: the same step replayed from one CUDA graph (`KimiK3StaticCache(cuda_graph=True)`, what generate runs);
+  * with --ab, the graph step again with one optional path off at a time, in the same run: the side streams
+    (`modeling_kimi_k3.SIDE_STREAM`), the fused depth mix (`fused_triton`), fla-core's KDA decode kernel;
 each next to the bandwidth floor = bytes the step must move (every non-expert weight, the LM head, one embedding
 row per sequence, the routed experts the router actually picked in that step, KDA state read + write, the MLA
 latents of the real tokens) / device copy bandwidth measured in the same run. With `--profile` it also prints the
@@ -27,9 +29,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import fused_triton  # noqa: E402
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+import modeling_kimi_k3  # noqa: E402
 from layer import copy_bandwidth, expert_bytes, nbytes  # noqa: E402  (bench/layer.py)
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3StaticCache, MXFP4Linear  # noqa: E402
 
@@ -209,17 +213,24 @@ def compile_blocks():
     kda.kda_gate = torch.compile(kda.kda_gate, dynamic=False)
 
 
+DEFAULTS = dict(fla=kda.ENABLED, side=modeling_kimi_k3.SIDE_STREAM, fused=fused_triton.ENABLED)
+
+
+def set_switches(fla, side, fused):
+    """The optional CUDA paths on or off: fla-core's KDA, the side streams, the fused depth mix."""
+    kda.ENABLED, modeling_kimi_k3.SIDE_STREAM, fused_triton.ENABLED = fla, side, fused
+
+
 def run_modes(model, config, batch, modes, args, bandwidth, results, save):
     vocab = config.text_config.vocab_size
     gen = torch.Generator(device="cuda").manual_seed(batch)
     prompt = torch.randint(0, vocab, (batch, args.context), device="cuda", generator=gen)
     routes = Routes(model)
-    kda_default = kda.ENABLED
     entry = results.setdefault(f"b{batch}", {})
     max_length = args.context + 2 * args.steps + 8
     try:
-        for name, graph, fla in modes:
-            kda.ENABLED = fla
+        for name, graph, switches in modes:
+            set_switches(**switches)
             cache = KimiK3StaticCache(model.config, batch, max_length, cuda_graph=graph)
             t0 = time.time()
             prefill(model, cache, prompt, args.chunk)
@@ -236,7 +247,7 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
             entry[name] = {"step_ms_median": ms, "step_ms_min": min(times), "floor_ms": floor_ms,
                            "fraction_of_floor": floor_ms / ms, "floor_bytes": floor,
                            "unique_experts_last_step": routes.unique_experts(), "prefill_s": prefill_s}
-            print(f"b{batch} {name:16s}: {ms:8.3f} ms/step (min {min(times):.3f}), floor {floor_ms:.3f} ms "
+            print(f"b{batch} {name:26s}: {ms:8.3f} ms/step (min {min(times):.3f}), floor {floor_ms:.3f} ms "
                   f"-> {floor_ms / ms:.0%} of floor; experts hit {routes.unique_experts()}; prefill "
                   f"{args.context} tokens {prefill_s:.1f} s", flush=True)
             if args.profile and name == "eager" and batch == 1:
@@ -250,7 +261,7 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
             torch.cuda.empty_cache()
             save()
     finally:
-        kda.ENABLED = kda_default
+        set_switches(**DEFAULTS)
         routes.remove()
 
 
@@ -263,7 +274,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--headroom-gib", type=float, default=14.0)
-    parser.add_argument("--fla", action="store_true", help="also time with fla-core's KDA kernels on")
+    parser.add_argument("--ab", action="store_true",
+                        help="also time the graph step with the side streams off and with fla-core's KDA off")
     parser.add_argument("--profile", action="store_true", help="kernel table of one eager step at batch 1")
     parser.add_argument("--generate", type=int, default=0, metavar="N",
                         help="also time model.generate of N tokens at batch 1, growing cache vs static + graph")
@@ -306,8 +318,11 @@ def main(argv=None):
     print(f"built in {results['build_s']:.0f} s; GPU memory in use {torch.cuda.memory_allocated() / GiB:.1f} GiB",
           flush=True)
     save()
-    modes = [("eager", False, False), ("graph", True, False)] + ([("graph fla-kda", True, True)] if args.fla else [])
-    rounds = [modes] + ([[("graph compiled", True, args.fla)]] if args.compile_blocks else [])
+    modes = [("eager", False, DEFAULTS), ("graph", True, DEFAULTS)]
+    if args.ab:
+        modes += [(f"graph {off} off", True, dict(DEFAULTS, **{key: False})) for key, off in
+                  (("side", "side streams"), ("fused", "fused depth mix"), ("fla", "fla-kda"))]
+    rounds = [modes] + ([[("graph compiled", True, DEFAULTS)]] if args.compile_blocks else [])
     def generate_section():
         prompt = torch.randint(0, config.text_config.vocab_size, (1, args.context), device="cuda")
         for static in (False, True):

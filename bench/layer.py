@@ -37,6 +37,7 @@ if "--smoke" in sys.argv:  # the Triton kernels run in the interpreter on CPU (s
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+import modeling_kimi_k3  # noqa: E402
 from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, KimiK3DeltaAttention  # noqa: E402
 
 CARD = {"tpot_ms": 38.8, "tok_s": 24.7, "setup": "8x RTX 6000, SGLang (model card)"}
@@ -210,6 +211,19 @@ def graph_of(fn, reset):
     return graph, out
 
 
+def one_stream(capture, reps, side_out):
+    """Milliseconds a replay of `capture()`'s graph takes with the model's side streams off (everything queued on
+    one stream, in order), and whether its output equals `side_out`, the same step's with them on."""
+    modeling_kimi_k3.SIDE_STREAM = False
+    try:
+        graph, out = capture()
+        graph.replay()
+        sync()
+        return time_ms(graph.replay, reps), bool(torch.equal(out, side_out))
+    finally:
+        modeling_kimi_k3.SIDE_STREAM = True
+
+
 def bench_decode(text, layer, batch, ceil, reps, seed):
     hidden = text.hidden_size
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -246,6 +260,8 @@ def bench_decode(text, layer, batch, ceil, reps, seed):
                 res["fast_graph_ms"] = time_ms(graph.replay, reps)
                 res["graph_fraction_of_floor"] = res["floor_ms"] / res["fast_graph_ms"]
                 del graph
+                res["fast_graph_one_stream_ms"], same = one_stream(lambda: graph_of(step, reset), reps, out)
+                res["one_stream_output_identical"] = same
             except Exception as err:  # report, keep going
                 res["graph_error"] = repr(err)[:500]
             # the MoE block alone
@@ -257,9 +273,12 @@ def bench_decode(text, layer, batch, ceil, reps, seed):
                           "floor_ms": moe_floor / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3,
                           "fast_eager_ms": time_ms(moe_step, reps)}
             try:
-                graph, _ = graph_of(moe_step, lambda: None)
+                graph, out = graph_of(moe_step, lambda: None)
                 res["moe"]["fast_graph_ms"] = time_ms(graph.replay, reps)
                 del graph
+                res["moe"]["fast_graph_one_stream_ms"], same = one_stream(lambda: graph_of(moe_step, lambda: None),
+                                                                          reps, out)
+                res["moe"]["one_stream_output_identical"] = same
             except Exception as err:
                 res["moe"]["graph_error"] = repr(err)[:500]
             set_fast(False)
@@ -381,6 +400,13 @@ def sweep_decode(text, layer, batch, ceil, reps, seed, configs):
             else:
                 ms = time_ms(run, reps)
             out[name] = {"graph_ms": ms, "x_floor": ms / floor_ms, "rel_err": rel_err}
+            if DEVICE == "cuda" and batch == 1:  # the same launch with all 16 pairs on one expert, whose 16.5 MB
+                # stay in L2: how long the kernels take when DRAM bandwidth is not what they wait for
+                same = torch.zeros_like(ids)
+                graph, _ = graph_of(lambda: mxfp4_triton.run_experts(stack, z, same, weights, moe.num_experts, 4.0,
+                                                                     25.0, config=cfg), lambda: None)
+                out[name]["one_expert_L2_graph_ms"] = time_ms(graph.replay, reps)
+                del graph
         except Exception as err:
             out[name] = {"error": repr(err)[:400]}
     return out
@@ -478,6 +504,8 @@ def main(argv=None):
                         help="comma list: sweep / psweep (MXFP4 kernel variants at decode / prefill; the fastest "
                              "correct one is then used), "
                              "kda (fla chunk_kda safe_gate on/off), decode, prefill")
+    parser.add_argument("--variants", default=None,
+                        help="comma list of DECODE_VARIANTS / PREFILL_VARIANTS names to sweep (default: all)")
     parser.add_argument("--no-prefill-reference", action="store_true")
     parser.add_argument("--smoke", action="store_true",
                         help="dry run on CPU at tiny shapes (reference path; kernels in the Triton interpreter)")
@@ -490,6 +518,11 @@ def main(argv=None):
         return 2
     started = time.time()
     sections = set(args.sections.split(","))
+    if args.variants:
+        keep = set(args.variants.split(","))
+        for variants in (DECODE_VARIANTS, PREFILL_VARIANTS):
+            for name in set(variants) - keep:
+                del variants[name]
     reps = 3 if args.smoke else 10 if args.quick else 30
     if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
         kda.quick_tune(1)
@@ -664,7 +697,10 @@ def print_summary(results):
                       f" ({r.get('graph_fraction_of_floor', float('nan')):.0%} of floor)"
                       f" | experts {r['unique_experts']}"
                       f" | moe {r['moe'].get('fast_graph_ms', float('nan')):.3f} vs {r['moe']['floor_ms']:.3f}"
-                      f" = {r['moe']['x_floor']:.2f}x floor")
+                      f" = {r['moe']['x_floor']:.2f}x floor"
+                      f" | one stream: layer {r.get('fast_graph_one_stream_ms', float('nan')):.3f} ms, moe "
+                      f"{r['moe'].get('fast_graph_one_stream_ms', float('nan')):.3f} ms (same output: "
+                      f"{r.get('one_stream_output_identical')}/{r['moe'].get('one_stream_output_identical')})")
             elif key.startswith("prefill_"):
                 print(f"{kind} {key}: fast {r['fast_tok_s']:.0f} tok/s ({r['fast_fraction_of_floor']:.0%} of floor"
                       f" {r['floor_ms']:.1f} ms) | reference {r.get('reference_tok_s', float('nan')):.0f} tok/s")
@@ -675,8 +711,11 @@ def print_summary(results):
                   f"{sweep['floor_ms']:.3f} ms), CUDA graph:")
             for name, v in sweep.items():
                 if isinstance(v, dict):
+                    l2 = (f"; all pairs on one expert (L2-resident) {v['one_expert_L2_graph_ms']:.3f} ms"
+                          if "one_expert_L2_graph_ms" in v else "")
                     print(f"   {name}: " + (f"{v['graph_ms']:.3f} ms = {v['x_floor']:.2f}x floor, rel err "
-                                            f"{v['rel_err']:.1e}" if "graph_ms" in v else v.get("error", "")[:200]))
+                                            f"{v['rel_err']:.1e}{l2}" if "graph_ms" in v
+                                            else v.get("error", "")[:200]))
     sweep = results.get("mxfp4_prefill_sweep")
     if sweep:
         print(f"MXFP4 routed experts alone, prefill {sweep['tokens']} tokens ({sweep['pairs']} pairs):")

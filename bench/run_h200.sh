@@ -25,7 +25,7 @@ timeout $((budget + 60)) python3 bench/layer.py --budget-s "$budget" --out "$OUT
 echo "layer bench exit $?"
 sed -n '/=== one layer/,$p' "$OUT/layer_h200.log" | grep -v "^   gemv\|^   dot_scaled"
 grep -E "Error|error|Traceback" "$OUT/layer_h200.log" | head -5
-timeout "${DECODE_TIMEOUT:-200}" python3 bench/decode.py --fla --compile-blocks --profile --steps 12 --generate 24 \
+timeout "${DECODE_TIMEOUT:-200}" python3 bench/decode.py --ab --profile --steps 12 --generate ${GENERATE:-128} ${DECODE_ARGS:-} \
     --out "$OUT/decode_h200.json" > "$OUT/decode_h200.log" 2>&1
 echo "decode bench exit $?"
 grep -E "^b[18] |kernels,|layers|built|Error|tok/s" "$OUT/decode_h200.log"

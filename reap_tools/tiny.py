@@ -16,7 +16,8 @@ from modeling_kimi_k3 import KimiK3ForCausalLM
 from mxfp4 import mxfp4_quantization_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kda.py", "mxfp4.py", "mxfp4_triton.py")
+MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kda.py", "mxfp4.py", "mxfp4_triton.py",
+              "fused_triton.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
     "AutoModel": "modeling_kimi_k3.KimiK3Model",

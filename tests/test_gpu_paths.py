@@ -15,10 +15,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (the fast paths are CUDA-only; the CPU suite covers the reference path)",
                 allow_module_level=True)
 
+import fused_triton  # noqa: E402
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
-from modeling_kimi_k3 import KimiK3LatentMoE, KimiK3MLAttention, KimiK3StaticCache  # noqa: E402
+from modeling_kimi_k3 import (  # noqa: E402
+    KimiK3AttnResProj, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix)
 from reap_tools.tiny import random_model, tiny_config  # noqa: E402
 
 DEVICE = "cuda"
@@ -140,6 +142,28 @@ def test_kda_fla_matches_reference(length, decode, with_state):
                                          torch.sigmoid(beta_raw.float()), scale=128**-0.5, initial_state=state)
     print(f"kda T={length} decode={decode} state={with_state}: o {rel(o, ref_o):.2e}, state {rel(s, ref_s):.2e}")
     assert rel(o, ref_o) < BF16_TOL and rel(s, ref_s) < BF16_TOL
+
+
+@pytest.mark.parametrize("n,rows", [(2, 1), (3, 8), (9, 300)])
+def test_fused_depth_mix_matches_torch(n, rows):
+    """fused_triton's depth mix vs the model's torch code at the release width, bf16 sources: one bf16 ulp."""
+    hidden = 7168
+    gen = torch.Generator(device=DEVICE).manual_seed(n)
+    sources = [torch.randn(rows, 1, hidden, device=DEVICE, generator=gen).mul_(1 + j).to(torch.bfloat16)
+               for j in range(n)]
+    norm, proj = KimiK3RMSNorm(hidden).to(DEVICE, torch.bfloat16), KimiK3AttnResProj(hidden).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+        proj.weight.normal_(0.0, 0.05, generator=gen)
+        fused = attn_res_mix(sources, norm, proj)
+        fused_triton.ENABLED = False
+        try:
+            ref = attn_res_mix(sources, norm, proj)
+        finally:
+            fused_triton.ENABLED = True
+    err = ((fused.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    print(f"fused depth mix n={n} rows={rows}: max diff {err:.1e} of max |ref|")
+    assert fused.dtype == ref.dtype and fused.shape == ref.shape and err <= 2 ** -7
 
 
 def test_mla_absorbed_matches_expanded():
@@ -272,3 +296,27 @@ def test_static_cache_graph_decode_matches_eager(fla):
           f"teacher-forced reference argmax agreement {agree:.0%}, mean gap {mean_gap:.4f}, largest {max_gap:.3f}")
     assert torch.equal(runs[True], runs[False])
     assert agree >= MIN_AGREEMENT and mean_gap <= MAX_MEAN_GAP
+
+
+def test_side_streams_change_nothing():
+    """The side branches (shared experts, attention gates and MLA queries on a second stream) give the very same
+    logits as one stream, in an eager forward with a cache and in graph-replayed decode steps."""
+    model = small_model()
+    prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device=DEVICE)
+    runs = {}
+    try:
+        for side in (False, True):
+            modeling_kimi_k3.SIDE_STREAM = side
+            with torch.no_grad():
+                cache = KimiK3StaticCache(model.config, batch_size=1, max_length=40, cuda_graph=True)
+                first = model(prompt, past_key_values=cache, use_cache=True).logits
+                tokens = model.generate(prompt, max_new_tokens=24, do_sample=False,
+                                        past_key_values=model.make_static_cache(1, 40))
+            runs[side] = first, tokens
+    finally:
+        modeling_kimi_k3.SIDE_STREAM = True
+    print(f"side streams: prefill logits identical {torch.equal(runs[True][0], runs[False][0])}, graph-decoded "
+          f"tokens identical {torch.equal(runs[True][1], runs[False][1])}")
+    assert modeling_kimi_k3._side_streams, "no side stream was used"
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])

@@ -4,8 +4,9 @@ Reads top to bottom as the architecture does (see SPEC §2): activations and nor
 MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the model and the causal-LM head.
 Module names follow the release checkpoint (`language_model.model.layers.{i}...`) so it loads unchanged.
 Every block has a pure-torch reference path, which runs anywhere and is what the tests compare against. On CUDA,
-KDA uses fla-core's kernels where they import (`kda.kda_forward`; prefill opt-in) and the routed experts Triton
-kernels that read the MXFP4 bytes directly (`mxfp4_triton.py`), each imported lazily and skipped when missing.
+KDA uses fla-core's kernels where they import (`kda.kda_forward`; prefill opt-in), the routed experts Triton
+kernels that read the MXFP4 bytes directly (`mxfp4_triton.py`) and the depth mixes one fused kernel each
+(`fused_triton.py`), each imported lazily and skipped when missing.
 `KimiK3StaticCache` makes a decode step graph-capturable; `generate` then replays it.
 """
 
@@ -23,16 +24,65 @@ from transformers.utils import logging
 
 try:
     from .configuration_kimi_k3 import KimiK3Config
+    from .fused_triton import attn_res_mix as fused_attn_res_mix, available as fused_available
     from .kda import kda_forward
     from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
+    from fused_triton import attn_res_mix as fused_attn_res_mix, available as fused_available
     from kda import kda_forward
     from mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
 
 logger = logging.get_logger(__name__)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Side branches (CUDA)
+# ----------------------------------------------------------------------------------------------------------------
+
+# Where True, work of a block that the main path does not need until its end (the MoE's shared experts, the attention
+# gates and query path) runs on a second CUDA stream, so it overlaps the main path's chain of small kernels instead of
+# queueing behind it; a CUDA graph captured over a decode step keeps both branches. KIMI_K3_SIDE_STREAM=0 (or False
+# here) runs everything on one stream, in order. The results are the same either way: the same kernels on the same
+# inputs.
+SIDE_STREAM = os.environ.get("KIMI_K3_SIDE_STREAM", "1") == "1"
+_side_streams = {}
+
+
+class SideBranch:
+    """`with branch:` queues its work on a second stream of x's CUDA device, after everything queued so far;
+    `branch.join()` makes the main stream wait for it. In place (a no-op) on CPU or with SIDE_STREAM off.
+
+    No `record_stream` is needed as long as the caller joins before it returns: the branch's inputs are then still
+    referenced while it runs, and memory it allocated and the caller frees is reused by later side-stream work only
+    after a later fork, i.e. after every main-stream read queued before it.
+    """
+
+    def __init__(self, x):
+        self.main = torch.cuda.current_stream(x.device) if SIDE_STREAM and x.is_cuda else None
+        if self.main is not None and x.device not in _side_streams:
+            _side_streams[x.device] = torch.cuda.Stream(x.device)
+        self.side = _side_streams[x.device] if self.main is not None else None
+        self._context = None
+
+    def __enter__(self):
+        if self.side is not None:
+            self.side.wait_stream(self.main)
+            self._context = torch.cuda.stream(self.side)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._context is not None:
+            self._context.__exit__(*exc)
+            self._context = None
+        return False
+
+    def join(self):
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Activations and norms
@@ -84,11 +134,15 @@ class KimiK3MLP(nn.Module):
 def attn_res_mix(sources, norm, proj):
     """Softmax-weighted mix over depth: `sum_j softmax_j(proj(norm(v_j))) v_j`, in fp32.
 
-    `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score of SPEC §2.
+    `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score of SPEC §2. On CUDA one
+    fused kernel (`fused_triton.attn_res_mix`) does the same after the stack.
     """
     if len(sources) == 1:
         return sources[0]
-    stacked = torch.stack(sources).float()  # [n, B, T, H]
+    stacked = torch.stack(sources)  # [n, B, T, H]
+    if fused_available(stacked):
+        return fused_attn_res_mix(stacked, norm.weight, proj.weight[0], norm.variance_epsilon)
+    stacked = stacked.float()
     weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
     return (weights * stacked).sum(0).to(sources[-1].dtype)
 
@@ -180,6 +234,11 @@ class KimiK3DeltaAttention(nn.Module):
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        branch = SideBranch(x)
+        with branch:  # the gate inputs, which the short convs do not need
+            g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
+            beta_raw = self.b_proj(x)
+            out_gate = torch.sigmoid(self.g_proj(x)).view(heads)
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         conv_states, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
         if all(c.weight.device == x.device for c in convs):  # one conv over the concatenated channels: 1/3 the ops
@@ -189,15 +248,15 @@ class KimiK3DeltaAttention(nn.Module):
             (q, k, v), conv_states = qkv.split(widths, dim=-1), qkv_state.split(widths, dim=1)
         else:  # offloaded: accelerate's hooks load each conv's weight only for its own forward
             (q, k, v), conv_states = zip(*(c(y, s) for c, y, s in zip(convs, projected, conv_states or (None,) * 3)))
-        g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
+        branch.join()
         # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
-        o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, self.b_proj(x),
+        o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
                                state, decode=length == 1 and state is not None,
                                in_place=cache is not None and cache.in_place)
         if cache is not None:
             cache.update_kda(self.layer_idx, tuple(conv_states), state)
-        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(heads)
+        o = self.o_norm(o.to(x.dtype)) * out_gate
         return self.o_proj(o.reshape(batch, length, -1))
 
 
@@ -236,8 +295,11 @@ class KimiK3MLAttention(nn.Module):
         """x: [B, T, H]; attention_mask: [B, keys] over all cached and new tokens (0 = padding), or None;
         positions: [T] the new tokens' absolute positions (default: right after the cached ones)."""
         batch, length, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
+        branch = SideBranch(x)
+        with branch:  # the query path and the output gate, beside the latent's path through the cache
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
+            out_gate = torch.sigmoid(self.g_proj(x)) if self.use_output_gate else None
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
         if positions is None:
@@ -245,14 +307,15 @@ class KimiK3MLAttention(nn.Module):
         if cache is not None:
             latent = cache.update_latent(self.layer_idx, latent, positions)  # every key these queries may see
         mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
+        branch.join()
         # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
         # own forward, so an offloaded (meta) weight takes the expanding path.
         absorb = (latent.shape[1] > length and length <= self.ABSORB_MAX_QUERIES
                   and self.kv_b_proj.weight.device.type != "meta")
         attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
-        if self.use_output_gate:
-            attn = attn * torch.sigmoid(self.g_proj(x))
+        if out_gate is not None:
+            attn = attn * out_gate
         return self.o_proj(attn)
 
     # Absorbing kv_b_proj costs ~ (kv_lora_rank + rope) per query per key instead of expanding every cached key
@@ -411,6 +474,9 @@ class KimiK3LatentMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        branch = SideBranch(flat)
+        with branch:  # the shared experts, beside routing and the routed experts
+            shared = self.shared_experts(flat)
         ids, weights = self.gate(flat)
         z = self.routed_expert_down_proj(flat)
         packed = isinstance(self.experts[0].w1, MXFP4Linear)
@@ -418,7 +484,8 @@ class KimiK3LatentMoE(nn.Module):
         if y is None:
             y = self.routed_experts(z, ids, weights)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y.to(z.dtype)))
-        return (y + self.shared_experts(flat)).view(shape)
+        branch.join()
+        return (y + shared).view(shape)
 
     def routed_experts(self, z, ids, weights):
         """Reference expert sum `sum_k w_k expert_k(z)` in fp32: (token, slot) pairs are sorted by expert so each

@@ -1,6 +1,6 @@
-"""mxfp4_triton's kernels in Triton's CPU interpreter (explicit-dequant path): indexing, routing blocks, SiTU and
-the per-token sum against a float64 reference on the same packs. Needs `triton` installed (skipped otherwise); the
-`tl.dot_scaled` variant and the speed are checked on a GPU by tests/test_gpu_paths.py."""
+"""The Triton kernels in Triton's CPU interpreter, against float64 references: mxfp4_triton's (explicit-dequant path:
+indexing, routing blocks, SiTU and the per-token sum on the same packs) and fused_triton's depth mix. Needs `triton`
+installed (skipped otherwise); `tl.dot_scaled` and the speed are checked on a GPU by tests/test_gpu_paths.py."""
 
 import importlib.util
 import os
@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SCRIPT = textwrap.dedent(
+MXFP4_SCRIPT = textwrap.dedent(
     """
     import torch
     import mxfp4_triton as mt
@@ -57,9 +57,51 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_kernels_in_the_triton_interpreter():
+FUSED_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import fused_triton
+    from modeling_kimi_k3 import KimiK3AttnResProj, KimiK3RMSNorm, attn_res_mix
+
+    torch.manual_seed(0)
+    assert fused_triton.available(torch.zeros(1))
+    for n, shape, dtype in [(2, (1, 1, 96), torch.float32), (3, (2, 5, 200), torch.float32),
+                            (9, (1, 3, 64), torch.bfloat16), (17, (1, 1, 40), torch.float32)]:
+        hidden = shape[-1]
+        sources = [torch.randn(shape).mul_(1 + j).to(dtype) for j in range(n)]
+        norm, proj = KimiK3RMSNorm(hidden), KimiK3AttnResProj(hidden)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            proj.weight.normal_(0.0, 0.2)
+            out = attn_res_mix(sources, norm, proj)  # the fused kernel (the interpreter counts as available)
+        v = torch.stack(sources).double()
+        normed = v * (v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).rsqrt() * norm.weight.double()
+        p = (normed @ proj.weight[0].double()).softmax(0).unsqueeze(-1)
+        ref = (p * v).sum(0)
+        assert out.shape == shape and out.dtype == dtype, (out.shape, out.dtype)
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: one ulp (the interpreter truncates)
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < tol, (n, shape, dtype, err)
+    print("ok")
+    """
+)
+
+
+def run_in_interpreter(script):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@needs_triton
+def test_mxfp4_kernels_in_the_triton_interpreter():
+    run_in_interpreter(MXFP4_SCRIPT)
+
+
+@needs_triton
+def test_fused_depth_mix_in_the_triton_interpreter():
+    run_in_interpreter(FUSED_SCRIPT)
