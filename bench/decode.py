@@ -7,7 +7,7 @@ materialises them on the GPU with random weights (MXFP4 packs: random bytes, sca
   * eager: the model's forward on the static cache with graphs off (the fast kernels, launched one by one);
   * graph: the same step replayed from one CUDA graph (`KimiK3StaticCache(cuda_graph=True)`, what generate runs);
   * with --ab, the graph step again with one optional path off at a time, in the same run: the side streams
-    (`modeling_kimi_k3.SIDE_STREAM`), the fused depth mix (`fused_triton`), fla-core's KDA decode kernel;
+    (`modeling_kimi_k3.SIDE_STREAM`), the fused small-op kernels (`fused_triton`), fla-core's KDA decode kernel;
 each next to the bandwidth floor = bytes the step must move (every non-expert weight, the LM head, one embedding
 row per sequence, the routed experts the router actually picked in that step, KDA state read + write, the MLA
 latents of the real tokens) / device copy bandwidth measured in the same run. With `--profile` it also prints the
@@ -217,7 +217,7 @@ DEFAULTS = dict(fla=kda.ENABLED, side=modeling_kimi_k3.SIDE_STREAM, fused=fused_
 
 
 def set_switches(fla, side, fused):
-    """The optional CUDA paths on or off: fla-core's KDA, the side streams, the fused depth mix."""
+    """The optional CUDA paths on or off: fla-core's KDA, the side streams, fused_triton's kernels."""
     kda.ENABLED, modeling_kimi_k3.SIDE_STREAM, fused_triton.ENABLED = fla, side, fused
 
 
@@ -321,7 +321,7 @@ def main(argv=None):
     modes = [("eager", False, DEFAULTS), ("graph", True, DEFAULTS)]
     if args.ab:
         modes += [(f"graph {off} off", True, dict(DEFAULTS, **{key: False})) for key, off in
-                  (("side", "side streams"), ("fused", "fused depth mix"), ("fla", "fla-kda"))]
+                  (("side", "side streams"), ("fused", "fused small ops"), ("fla", "fla-kda"))]
     rounds = [modes] + ([[("graph compiled", True, DEFAULTS)]] if args.compile_blocks else [])
     def generate_section():
         prompt = torch.randint(0, config.text_config.vocab_size, (1, args.context), device="cuda")

@@ -15,7 +15,7 @@ then extrapolates to 93 layers (69 KDA + 24 MLA, layer 0's dense MLP counted as 
 prints the implied single-stream TPOT beside the model card's (38.8 ms TPOT, 24.7 tok/s, 8x RTX 6000, SGLang).
 
 Usage: python bench/layer.py --out results.json [--quick] [--budget-s 240]. CUDA only. The reference path is the
-model's own code with the fast paths switched off (`mxfp4_triton.ENABLED`, `kda.ENABLED`): experts are
+model's own code with the fast paths switched off (`mxfp4_triton.ENABLED`, `kda.ENABLED`, `fused_triton.ENABLED`): experts are
 dequantized per call, KDA runs the pure-torch chunked / recurrent forms.
 """
 
@@ -189,8 +189,7 @@ def decode_cache(text, layer, batch, seed):
 
 
 def set_fast(on):
-    mxfp4_triton.ENABLED = on
-    kda.ENABLED = on
+    mxfp4_triton.ENABLED = kda.ENABLED = fused_triton.ENABLED = on
 
 
 def graph_of(fn, reset):

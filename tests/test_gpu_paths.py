@@ -1,5 +1,6 @@
-"""CUDA fast paths against the torch reference on the same weights: Triton MXFP4 experts, fla KDA, absorbed MLA,
-greedy decoding of a small random model, and CUDA-graph decode through the static cache. Skipped (with the reason shown) without a CUDA device.
+"""CUDA fast paths against the torch reference on the same weights: Triton MXFP4 experts, fla KDA, fused_triton's
+depth mix and short convs, absorbed MLA, greedy decoding of a small random model, CUDA-graph decode through the
+static cache, and the side streams. Skipped (with the reason shown) without a CUDA device.
 
 `KIMI_K3_QUICK_TUNE=1` trims fla's autotuners to one configuration each (see `kda.quick_tune`), for runs on a
 rationed GPU. KDA is tested at the release's head shape (96 x 128), so its kernels compile once for the tests and
@@ -144,26 +145,59 @@ def test_kda_fla_matches_reference(length, decode, with_state):
     assert rel(o, ref_o) < BF16_TOL and rel(s, ref_s) < BF16_TOL
 
 
+def torch_path(fn, *args):
+    """`fn(*args)` with fused_triton's kernels off: the model's own torch code."""
+    fused_triton.ENABLED = False
+    try:
+        return fn(*args)
+    finally:
+        fused_triton.ENABLED = True
+
+
+def max_rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
 @pytest.mark.parametrize("n,rows", [(2, 1), (3, 8), (9, 300)])
 def test_fused_depth_mix_matches_torch(n, rows):
-    """fused_triton's depth mix vs the model's torch code at the release width, bf16 sources: one bf16 ulp."""
+    """fused_triton's depth mix + RMSNorm vs the model's torch code at the release width, bf16: one bf16 ulp."""
     hidden = 7168
     gen = torch.Generator(device=DEVICE).manual_seed(n)
     sources = [torch.randn(rows, 1, hidden, device=DEVICE, generator=gen).mul_(1 + j).to(torch.bfloat16)
                for j in range(n)]
     norm, proj = KimiK3RMSNorm(hidden).to(DEVICE, torch.bfloat16), KimiK3AttnResProj(hidden).to(DEVICE, torch.bfloat16)
+    out_norm = KimiK3RMSNorm(hidden).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5, generator=gen)
+        for module in (norm, out_norm):
+            module.weight.uniform_(0.5, 1.5, generator=gen)
         proj.weight.normal_(0.0, 0.05, generator=gen)
-        fused = attn_res_mix(sources, norm, proj)
-        fused_triton.ENABLED = False
-        try:
-            ref = attn_res_mix(sources, norm, proj)
-        finally:
-            fused_triton.ENABLED = True
-    err = ((fused.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        fused = attn_res_mix(sources, norm, proj, out_norm)
+        ref = torch_path(attn_res_mix, sources, norm, proj, out_norm)
+    err = max_rel(fused, ref)
     print(f"fused depth mix n={n} rows={rows}: max diff {err:.1e} of max |ref|")
     assert fused.dtype == ref.dtype and fused.shape == ref.shape and err <= 2 ** -7
+
+
+@pytest.mark.parametrize("length,with_state", [(1, True), (2, True), (300, False)])
+def test_fused_short_conv_matches_torch(length, with_state):
+    """fused_triton's short convs (q, k, v of a real-width KDA layer) vs the model's torch code, bf16; the new
+    histories exactly, written in place when asked."""
+    gen = torch.Generator(device=DEVICE).manual_seed(length)
+    widths = (12288, 12288, 12288)
+    inputs = [torch.randn(2, length, d, device=DEVICE, generator=gen).to(torch.bfloat16) for d in widths]
+    weights = [torch.randn(d, 1, 4, device=DEVICE, generator=gen).mul_(0.5).to(torch.bfloat16) for d in widths]
+    states = ([torch.randn(2, d, 3, device=DEVICE, generator=gen).to(torch.bfloat16) for d in widths]
+              if with_state else None)
+    refs = [modeling_kimi_k3.short_conv(x, w, None if states is None else s)
+            for x, w, s in zip(inputs, weights, states or (None,) * 3)]
+    given = None if states is None else [s.clone() for s in states]
+    outs, news = fused_triton.short_conv(inputs, weights, given, in_place=True)
+    errs = [max_rel(y, ref_y) for y, (ref_y, _) in zip(outs, refs)]
+    print(f"fused short conv T={length}: max diff {max(errs):.1e} of max |ref|")
+    assert max(errs) <= 2 ** -7
+    assert all(torch.equal(s, ref_s) for s, (_, ref_s) in zip(news, refs))
+    if given is not None:
+        assert all(s is g for s, g in zip(news, given))
 
 
 def test_mla_absorbed_matches_expanded():
@@ -195,13 +229,13 @@ def teacher_forced(model, prompt, generated):
     """Run the reference paths (no cache) over `generated`; per generated token, its logit's shortfall below the
     reference's argmax in logit standard deviations (0 where the reference would have picked it too). Returns
     (share of steps at 0, mean shortfall, largest shortfall)."""
-    switches = mxfp4_triton.ENABLED, kda.ENABLED
-    mxfp4_triton.ENABLED = kda.ENABLED = False
+    switches = mxfp4_triton.ENABLED, kda.ENABLED, fused_triton.ENABLED
+    mxfp4_triton.ENABLED = kda.ENABLED = fused_triton.ENABLED = False
     try:
         with torch.no_grad():
             logits = model(generated[:, :-1]).logits[:, prompt.shape[1] - 1:].float()
     finally:
-        mxfp4_triton.ENABLED, kda.ENABLED = switches
+        mxfp4_triton.ENABLED, kda.ENABLED, fused_triton.ENABLED = switches
     chosen = generated[:, prompt.shape[1]:]
     gap = (logits.max(-1).values - logits.gather(-1, chosen[..., None])[..., 0]) / logits.std(-1)
     return float((gap == 0).float().mean()), gap.mean().item(), gap.max().item()
@@ -229,10 +263,10 @@ def test_greedy_64_steps_fast_vs_reference(fla):
         kda.ENABLED, kda.PREFILL = fla != "off", fla == "all"
         mxfp4_triton.ENABLED = True
         fast = model.generate(prompt, max_new_tokens=steps, do_sample=False)
-        mxfp4_triton.ENABLED = kda.ENABLED = False
+        mxfp4_triton.ENABLED = kda.ENABLED = fused_triton.ENABLED = False
         ref = model.generate(prompt, max_new_tokens=steps, do_sample=False)
         agree, mean_gap, max_gap = teacher_forced(model, prompt, fast)
-    mxfp4_triton.ENABLED = True
+    mxfp4_triton.ENABLED = fused_triton.ENABLED = True
     kda.ENABLED, kda.PREFILL = defaults
     same = int((fast[0] == ref[0]).int().cumprod(0).sum()) - prompt.shape[1]
     print(f"greedy (fla KDA {fla}): {same}/{steps} leading tokens identical to the reference's own greedy run; "

@@ -1,5 +1,5 @@
 """The Triton kernels in Triton's CPU interpreter, against float64 references: mxfp4_triton's (explicit-dequant path:
-indexing, routing blocks, SiTU and the per-token sum on the same packs) and fused_triton's depth mix. Needs `triton`
+indexing, routing blocks, SiTU and the per-token sum on the same packs) and fused_triton's depth mix and short convs. Needs `triton`
 installed (skipped otherwise); `tl.dot_scaled` and the speed are checked on a GPU by tests/test_gpu_paths.py."""
 
 import importlib.util
@@ -61,7 +61,7 @@ FUSED_SCRIPT = textwrap.dedent(
     """
     import torch
     import fused_triton
-    from modeling_kimi_k3 import KimiK3AttnResProj, KimiK3RMSNorm, attn_res_mix
+    from modeling_kimi_k3 import KimiK3AttnResProj, KimiK3RMSNorm, attn_res_mix, short_conv
 
     torch.manual_seed(0)
     assert fused_triton.available(torch.zeros(1))
@@ -69,19 +69,58 @@ FUSED_SCRIPT = textwrap.dedent(
                             (9, (1, 3, 64), torch.bfloat16), (17, (1, 1, 40), torch.float32)]:
         hidden = shape[-1]
         sources = [torch.randn(shape).mul_(1 + j).to(dtype) for j in range(n)]
-        norm, proj = KimiK3RMSNorm(hidden), KimiK3AttnResProj(hidden)
+        norm, proj, out_norm = KimiK3RMSNorm(hidden), KimiK3AttnResProj(hidden), KimiK3RMSNorm(hidden, eps=1e-6)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5)
+            out_norm.weight.uniform_(0.5, 1.5)
             proj.weight.normal_(0.0, 0.2)
-            out = attn_res_mix(sources, norm, proj)  # the fused kernel (the interpreter counts as available)
+            out = attn_res_mix(sources, norm, proj, out_norm)  # the fused kernel (the interpreter counts as available)
         v = torch.stack(sources).double()
         normed = v * (v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).rsqrt() * norm.weight.double()
         p = (normed @ proj.weight[0].double()).softmax(0).unsqueeze(-1)
-        ref = (p * v).sum(0)
+        mixed = (p * v).sum(0).to(dtype).double()  # the mix is rounded to the activation dtype before the norm
+        ref = mixed * (mixed.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt() * out_norm.weight.double()
         assert out.shape == shape and out.dtype == dtype, (out.shape, out.dtype)
         tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: one ulp (the interpreter truncates)
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-        assert err < tol, (n, shape, dtype, err)
+        assert err < tol, ("mix", n, shape, dtype, err)
+
+    for batch, length, widths, with_state, dtype in [(1, 1, (64, 64, 32), True, torch.float32),
+                                                     (2, 7, (96, 40, 300), False, torch.float32),
+                                                     (2, 2, (64, 64, 64), True, torch.float32),
+                                                     (1, 37, (128, 8, 8), True, torch.bfloat16)]:
+        inputs = [torch.randn(batch, length, d).to(dtype) for d in widths]
+        weights = [torch.randn(d, 1, 4).to(dtype) for d in widths]
+        states = [torch.randn(batch, d, 3).to(dtype) for d in widths] if with_state else None
+        refs = [short_conv(x, w, None if states is None else s) for x, w, s in
+                zip(inputs, weights, states or (None,) * 3)]
+        given = None if states is None else [s.clone() for s in states]
+        outs, news = fused_triton.short_conv(inputs, weights, given, in_place=True)
+        for (ref_y, ref_s), y, s in zip(refs, outs, news):
+            tol = 1e-6 if dtype == torch.float32 else 2 ** -6  # bf16: two roundings, each truncated here
+            err = ((y.double() - ref_y.double()).abs().max() / ref_y.double().abs().max()).item()
+            assert y.shape == ref_y.shape and err < tol, ("conv", batch, length, with_state, err)
+            assert torch.equal(s, ref_s), ("conv state", batch, length, with_state)
+        if given is not None:
+            assert all(s is g for s, g in zip(news, given)), "in_place did not return the given histories"
+
+    # in the model: a static cache's prefill + decode steps with the fused kernels vs the torch code
+    from modeling_kimi_k3 import KimiK3StaticCache
+    from reap_tools.tiny import random_model, tiny_config
+
+    model = random_model(tiny_config(packed=False), seed=3)
+    prompt = torch.tensor([[5, 17, 9, 33, 2, 8]])
+    runs = {}
+    for fused in (True, False):
+        fused_triton.ENABLED = fused
+        cache = KimiK3StaticCache(model.config, batch_size=1, max_length=12, cuda_graph=False)
+        with torch.no_grad():
+            logits = [model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]]
+            for token in (4, 21, 7):
+                logits.append(model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[:, -1])
+        runs[fused] = torch.cat(logits)
+    err = ((runs[True] - runs[False]).abs().max() / runs[False].abs().max()).item()
+    assert err < 1e-5, ("model", err)
     print("ok")
     """
 )

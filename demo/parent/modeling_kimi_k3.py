@@ -25,12 +25,14 @@ from transformers.utils import logging
 try:
     from .configuration_kimi_k3 import KimiK3Config
     from .fused_triton import attn_res_mix as fused_attn_res_mix, available as fused_available
+    from .fused_triton import short_conv as fused_short_conv
     from .kda import kda_forward
     from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
     from fused_triton import attn_res_mix as fused_attn_res_mix, available as fused_available
+    from fused_triton import short_conv as fused_short_conv
     from kda import kda_forward
     from mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
@@ -131,20 +133,22 @@ class KimiK3MLP(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def attn_res_mix(sources, norm, proj):
-    """Softmax-weighted mix over depth: `sum_j softmax_j(proj(norm(v_j))) v_j`, in fp32.
+def attn_res_mix(sources, norm, proj, out_norm):
+    """Softmax-weighted mix over depth, `sum_j softmax_j(proj(norm(v_j))) v_j` in fp32, then `out_norm` of it (the
+    RMSNorm of the sublayer that reads the mix).
 
     `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score of SPEC §2. On CUDA one
-    fused kernel (`fused_triton.attn_res_mix`) does the same after the stack.
+    fused kernel (`fused_triton.attn_res_mix`) does both after the stack, without calling the norm modules.
     """
     if len(sources) == 1:
-        return sources[0]
+        return out_norm(sources[0])
     stacked = torch.stack(sources)  # [n, B, T, H]
     if fused_available(stacked):
-        return fused_attn_res_mix(stacked, norm.weight, proj.weight[0], norm.variance_epsilon)
+        return fused_attn_res_mix(stacked, norm.weight, proj.weight[0], norm.variance_epsilon, out_norm.weight,
+                                  out_norm.variance_epsilon)
     stacked = stacked.float()
     weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
-    return (weights * stacked).sum(0).to(sources[-1].dtype)
+    return out_norm((weights * stacked).sum(0).to(sources[-1].dtype))
 
 
 class KimiK3AttnResProj(nn.Module):
@@ -233,7 +237,6 @@ class KimiK3DeltaAttention(nn.Module):
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)  # padding leaves state and conv history at 0
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         branch = SideBranch(x)
         with branch:  # the gate inputs, which the short convs do not need
             g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
@@ -241,13 +244,7 @@ class KimiK3DeltaAttention(nn.Module):
             out_gate = torch.sigmoid(self.g_proj(x)).view(heads)
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         conv_states, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
-        if all(c.weight.device == x.device for c in convs):  # one conv over the concatenated channels: 1/3 the ops
-            widths = [c.out_channels for c in convs]
-            qkv, qkv_state = short_conv(torch.cat(projected, dim=-1), torch.cat([c.weight for c in convs]),
-                                        None if conv_states is None else torch.cat(conv_states, dim=1))
-            (q, k, v), conv_states = qkv.split(widths, dim=-1), qkv_state.split(widths, dim=1)
-        else:  # offloaded: accelerate's hooks load each conv's weight only for its own forward
-            (q, k, v), conv_states = zip(*(c(y, s) for c, y, s in zip(convs, projected, conv_states or (None,) * 3)))
+        (q, k, v), conv_states = self.short_convs(projected, conv_states, cache is not None and cache.in_place)
         branch.join()
         # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
@@ -258,6 +255,21 @@ class KimiK3DeltaAttention(nn.Module):
             cache.update_kda(self.layer_idx, tuple(conv_states), state)
         o = self.o_norm(o.to(x.dtype)) * out_gate
         return self.o_proj(o.reshape(batch, length, -1))
+
+    def short_convs(self, projected, conv_states, in_place):
+        """q, k, v through their short convs: returns ((q, k, v), new conv histories). On CUDA one fused kernel a
+        conv (`in_place`: the histories are overwritten, as a static cache wants); else one `short_conv` over the
+        concatenated channels (1/3 the ops), or, with weights offloaded by accelerate (its hooks load each conv's
+        weight only for its own forward), each conv module on its own."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        if not all(c.weight.device == projected[0].device for c in convs):
+            return zip(*(c(y, s) for c, y, s in zip(convs, projected, conv_states or (None,) * 3)))
+        if fused_available(projected[0]):
+            return fused_short_conv(projected, [c.weight for c in convs], conv_states, in_place)
+        widths = [c.out_channels for c in convs]
+        qkv, qkv_state = short_conv(torch.cat(projected, dim=-1), torch.cat([c.weight for c in convs]),
+                                    None if conv_states is None else torch.cat(conv_states, dim=1))
+        return qkv.split(widths, dim=-1), qkv_state.split(widths, dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -585,18 +597,18 @@ class KimiK3DecoderLayer(nn.Module):
         if positions is None:
             positions = _next_positions(cache, partial.shape[1], partial.device)
         sources = list(bank) + [partial]
-        h = attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj)
+        h = attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm)
         if self.opens_block:
             bank, partial = tuple(bank) + (partial,), None
         if isinstance(self.self_attn, KimiK3DeltaAttention):
             token_mask = attention_mask[:, positions] if attention_mask is not None else None
-            a = self.self_attn(self.input_layernorm(h), token_mask, cache)
+            a = self.self_attn(h, token_mask, cache)
         else:
-            a = self.self_attn(self.input_layernorm(h), attention_mask, cache, positions)
+            a = self.self_attn(h, attention_mask, cache, positions)
         partial = a if partial is None else partial + a
-        h = attn_res_mix(list(bank) + [partial], self.mlp_res_norm, self.mlp_res_proj)
+        h = attn_res_mix(list(bank) + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return tuple(bank), partial + ffn(self.post_attention_layernorm(h))
+        return tuple(bank), partial + ffn(h)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -808,7 +820,7 @@ class KimiK3TextModel(nn.Module):
         for layer in self.layers:
             bank, partial = layer(bank, partial, attention_mask, cache, positions)
         sources = [s.to(partial.device) for s in bank] + [partial]
-        hidden = self.norm(attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj))
+        hidden = attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj, self.norm)
         if cache is not None:
             cache.seen_tokens += inputs_embeds.shape[1]
         return hidden, cache

@@ -4,7 +4,9 @@ At decode every op of the model touches a few KiB, so a step's time goes to laun
 moving bytes. Each kernel here replaces one such chain with the same fp32 math:
 
   * `attn_res_mix`: the Block Attention Residuals depth mix `sum_j softmax_j(proj(norm(v_j))) v_j` over stacked
-    sources (torch: ~12 kernels; here 1, after the stack).
+    sources and the RMSNorm of the sublayer that reads it (torch: ~13 kernels; here 1, after the stack);
+  * `short_conv`: KDA's causal depthwise convolutions + SiLU of q, k and v with their conv histories (torch: ~15
+    kernels with the concatenations and copies; here 1), writing a static cache's history buffers in place.
 
 The model calls these only for CUDA tensors where `available()`; everywhere else, and as the reference the tests
 compare against, it runs its own torch code. Sums run in another order than torch's, so results agree to fp32
@@ -35,10 +37,16 @@ def available(x):
 if triton is not None:
 
     @triton.jit
-    def _attn_res_mix_kernel(src_ptr, norm_w_ptr, proj_w_ptr, out_ptr, n, rows, eps, H: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
-        """One program per row (token): two passes over its n sources [n, rows, H]: first each source's sum of
-        squares and its dot with norm_w * proj_w (the score is that dot / rms), then the softmax-weighted sum."""
+    def _mixed_tile(base, mask, p):
+        """sum_j p_j v_j over one [BLOCK_N, BLOCK_H] tile of sources, fp32."""
+        return tl.sum(tl.load(base, mask=mask, other=0.0).to(tl.float32) * p[:, None], axis=0)
+
+    @triton.jit
+    def _attn_res_mix_kernel(src_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, n, rows, eps, out_eps,
+                             H: tl.constexpr, OUT_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One program per row (token) over its n sources [n, rows, H]: each source's sum of squares and dot with
+        norm_w * proj_w (its score is that dot / rms), then the softmax-weighted sum, rounded to the output dtype;
+        with OUT_NORM that rounded mix's RMSNorm (weight out_w), from a third pass that recomputes it."""
         row = tl.program_id(0).to(tl.int64)
         offs_n = tl.arange(0, BLOCK_N)
         n_mask = offs_n < n
@@ -56,23 +64,103 @@ if triton is not None:
         scores = tl.where(n_mask, dots / tl.sqrt(squares / H + eps), float("-inf"))
         p = tl.exp(scores - tl.max(scores, axis=0))
         p = p / tl.sum(p, axis=0)
+        out_sq = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             h_mask = offs_h < H
-            v = tl.load(base + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-            mixed = tl.sum(v * p[:, None], axis=0)
-            tl.store(out_ptr + row * H + offs_h, mixed.to(out_ptr.dtype.element_ty), mask=h_mask)
+            mixed = _mixed_tile(base + offs_h[None, :], n_mask[:, None] & h_mask[None, :], p)
+            mixed = mixed.to(out_ptr.dtype.element_ty)
+            if OUT_NORM:
+                out_sq += tl.where(h_mask, mixed.to(tl.float32) * mixed.to(tl.float32), 0.0)
+            else:
+                tl.store(out_ptr + row * H + offs_h, mixed, mask=h_mask)
+        if OUT_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(out_sq, axis=0) / H + out_eps)
+            for h0 in range(0, H, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                h_mask = offs_h < H
+                mixed = _mixed_tile(base + offs_h[None, :], n_mask[:, None] & h_mask[None, :], p)
+                mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
+                w = tl.load(out_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + row * H + offs_h, (mixed * rstd * w).to(out_ptr.dtype.element_ty), mask=h_mask)
 
+    @triton.jit
+    def _short_conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr, T, D, stride_xb, stride_xt, stride_yb,
+                           stride_yt, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_S: tl.constexpr):
+        """One program per (row, BLOCK_T tokens, BLOCK_D channels) of one conv: y[t] = silu(sum_j w_j in[t + j])
+        over in = [state (K-1 inputs), x] per channel, summed in fp32 and rounded to x's dtype before the SiLU (as
+        the torch code does). The programs of the first token block also write the new state, the last K-1 inputs
+        (BLOCK_T >= K-1, so no other program reads the old state: it may be the same buffer)."""
+        b = tl.program_id(0).to(tl.int64)
+        t0 = tl.program_id(1) * BLOCK_T
+        offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < T
+        state_row = state_ptr + b * D * (K - 1) + offs_d * (K - 1)  # [BLOCK_D]: this row's history per channel
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for j in tl.static_range(K):
+            s = offs_t + j - (K - 1)  # input index; < 0 reads the history
+            from_x = tl.load(x_ptr + b * stride_xb + s[:, None] * stride_xt + offs_d[None, :],
+                             mask=(s[:, None] >= 0) & t_mask[:, None] & d_mask[None, :], other=0.0)
+            from_state = tl.load(state_row[None, :] + (s[:, None] + K - 1),
+                                 mask=(s[:, None] < 0) & t_mask[:, None] & d_mask[None, :], other=0.0)
+            tap = tl.where(s[:, None] >= 0, from_x.to(tl.float32), from_state.to(tl.float32))
+            w = tl.load(w_ptr + offs_d * K + j, mask=d_mask, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
+            acc += tap * w[None, :]
+        y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.sigmoid(y)
+        tl.store(y_ptr + b * stride_yb + offs_t[:, None] * stride_yt + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=t_mask[:, None] & d_mask[None, :])
+        if t0 == 0:  # the new history: inputs T-(K-1) .. T-1 of [state, x]
+            offs_i = tl.arange(0, BLOCK_S)
+            i_mask = (offs_i < K - 1)[:, None] & d_mask[None, :]
+            s = (T + offs_i - (K - 1))[:, None]
+            from_x = tl.load(x_ptr + b * stride_xb + s * stride_xt + offs_d[None, :], mask=i_mask & (s >= 0), other=0.0)
+            from_state = tl.load(state_row[None, :] + (s + K - 1), mask=i_mask & (s < 0), other=0.0)
+            new = tl.where(s >= 0, from_x.to(tl.float32), from_state.to(tl.float32))
+            tl.store(new_state_ptr + b * D * (K - 1) + offs_d[None, :] * (K - 1) + offs_i[:, None],
+                     new.to(new_state_ptr.dtype.element_ty), mask=i_mask)
 
-def attn_res_mix(stacked, norm_weight, proj_weight, eps):
+def attn_res_mix(stacked, norm_weight, proj_weight, eps, out_weight=None, out_eps=0.0):
     """`sum_j softmax_j((v_j / rms(v_j)) . (norm_weight * proj_weight)) v_j` over dim 0 of `stacked` [n, ..., H],
-    in fp32, returned in stacked's dtype with shape [..., H]."""
+    in fp32, rounded to stacked's dtype, shape [..., H]; with `out_weight`, that result's RMSNorm (eps `out_eps`)."""
     stacked = stacked.contiguous()
     n, hidden = stacked.shape[0], stacked.shape[-1]
     rows = stacked[0].numel() // hidden
     out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
     block_n = triton.next_power_of_2(n)
-    block_h = min(triton.next_power_of_2(hidden), max(64, 4096 // block_n))
-    _attn_res_mix_kernel[(rows,)](stacked, norm_weight, proj_weight, out, n, rows, float(eps), H=hidden,
-                                  BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4)
+    block_h = min(triton.next_power_of_2(hidden), max(128, 8192 // block_n))
+    norm_out = out_weight is not None
+    _attn_res_mix_kernel[(rows,)](stacked, norm_weight, proj_weight, out_weight if norm_out else norm_weight, out, n,
+                                  rows, float(eps), float(out_eps), H=hidden, OUT_NORM=norm_out, BLOCK_N=block_n,
+                                  BLOCK_H=block_h, num_warps=8)
     return out
+
+
+def short_conv(inputs, weights, states=None, in_place=False):
+    """Causal depthwise convolution + SiLU of each x in `inputs` [B, T, D_i] with its weight [D_i, 1, K] and history
+    [B, D_i, K-1] (None: zeros). Returns (outputs [B, T, D_i] in x's dtype, new histories [B, D_i, K-1] in the
+    history's dtype, x's without one). `in_place` writes the new histories over the given (contiguous) ones, a
+    static cache's buffers, and returns those."""
+    outputs, new_states = [], []
+    for i, (x, weight) in enumerate(zip(inputs, weights)):
+        batch, length, channels = x.shape
+        kernel = weight.shape[-1]
+        state = None if states is None else states[i]
+        overwrite = in_place and state is not None and state.is_contiguous()
+        if state is None:
+            state = x.new_zeros(batch, channels, kernel - 1)
+        x, state = x.contiguous(), state.contiguous()
+        y = torch.empty(batch, length, channels, dtype=x.dtype, device=x.device)
+        new = state if overwrite else torch.empty_like(state)
+        block_t = max(4, min(16, triton.next_power_of_2(length)), triton.next_power_of_2(kernel - 1))
+        block_d = 256
+        grid = (batch, triton.cdiv(length, block_t), triton.cdiv(channels, block_d))
+        _short_conv_kernel[grid](x, weight, state, y, new, length, channels, x.stride(0), x.stride(1), y.stride(0),
+                                 y.stride(1), K=kernel, BLOCK_T=block_t, BLOCK_D=block_d,
+                                 BLOCK_S=triton.next_power_of_2(kernel - 1), num_warps=4)
+        outputs.append(y)
+        new_states.append(new)
+    return outputs, new_states
