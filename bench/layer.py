@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 if "--smoke" in sys.argv:  # the Triton kernels run in the interpreter on CPU (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import fused_triton  # noqa: E402
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402

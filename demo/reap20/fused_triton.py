@@ -116,10 +116,11 @@ if triton is not None:
         if t0 == 0:  # the new history: inputs T-(K-1) .. T-1 of [state, x]
             offs_i = tl.arange(0, BLOCK_S)
             i_mask = (offs_i < K - 1)[:, None] & d_mask[None, :]
-            s = (T + offs_i - (K - 1))[:, None]
-            from_x = tl.load(x_ptr + b * stride_xb + s * stride_xt + offs_d[None, :], mask=i_mask & (s >= 0), other=0.0)
-            from_state = tl.load(state_row[None, :] + (s + K - 1), mask=i_mask & (s < 0), other=0.0)
-            new = tl.where(s >= 0, from_x.to(tl.float32), from_state.to(tl.float32))
+            src = (T + offs_i - (K - 1))[:, None]
+            last_x = tl.load(x_ptr + b * stride_xb + src * stride_xt + offs_d[None, :], mask=i_mask & (src >= 0),
+                             other=0.0)
+            last_state = tl.load(state_row[None, :] + (src + K - 1), mask=i_mask & (src < 0), other=0.0)
+            new = tl.where(src >= 0, last_x.to(tl.float32), last_state.to(tl.float32))
             tl.store(new_state_ptr + b * D * (K - 1) + offs_d[None, :] * (K - 1) + offs_i[:, None],
                      new.to(new_state_ptr.dtype.element_ty), mask=i_mask)
 
