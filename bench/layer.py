@@ -428,6 +428,9 @@ DECODE_VARIANTS = {
     "dot_scaled_fastmath_w2_bk64": _cfg(16, (32, 64, 2, 6), (32, 64, 2, 6), "dot_scaled", fast_math=True),
     "dot_scaled_fastmath_w1": _cfg(16, (32, 128, 1, 4), (32, 128, 1, 4), "dot_scaled", fast_math=True),
     "dot_scaled_fastmath_w1_bn16": _cfg(16, (16, 128, 1, 4), (16, 128, 1, 4), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w2_s2": _cfg(16, (32, 128, 2, 2), (32, 128, 2, 2), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w2_bk256": _cfg(16, (32, 256, 2, 3), (32, 256, 2, 3), "dot_scaled", fast_math=True),
+    "dot_scaled_fastmath_w4_bk256": _cfg(16, (64, 256, 4, 3), (64, 256, 4, 3), "dot_scaled", fast_math=True),
 }
 PREFILL_VARIANTS = {
     "dot_scaled_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled"),

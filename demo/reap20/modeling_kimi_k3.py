@@ -1,13 +1,14 @@
 """Kimi K3 text model (remote code): hybrid KDA / gated NoPE MLA decoder with Block Attention Residuals and LatentMoE.
 
-Reads top to bottom as the architecture does (see SPEC §2): activations and norms, Block Attention Residuals, KDA,
-MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the model and the causal-LM head.
-Module names follow the release checkpoint (`language_model.model.layers.{i}...`) so it loads unchanged.
-Every block has a pure-torch reference path, which runs anywhere and is what the tests compare against. On CUDA,
-KDA uses fla-core's kernels where they import (`kda.kda_forward`; prefill opt-in), the routed experts Triton
-kernels that read the MXFP4 bytes directly (`mxfp4_triton.py`) and the depth mixes one fused kernel each
-(`fused_triton.py`), each imported lazily and skipped when missing.
-`KimiK3StaticCache` makes a decode step graph-capturable; `generate` then replays it.
+Reads top to bottom as the architecture does (see SPEC §2): side branches (CUDA streams), activations and norms,
+Block Attention Residuals, KDA, MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the model and
+the causal-LM head. Module names follow the release checkpoint (`language_model.model.layers.{i}...`) so it loads
+unchanged. Every block has a pure-torch reference path, which runs anywhere and is what the tests compare against.
+On CUDA, KDA uses fla-core's kernels where they import (`kda.kda_forward`; prefill opt-in), the routed experts
+Triton kernels that read the MXFP4 bytes directly (`mxfp4_triton.py`), the depth mixes (with the norm after each)
+and KDA's short convs one fused Triton kernel each (`fused_triton.py`), each imported lazily and skipped when
+missing; independent parts of a block run on a second stream (`SideBranch`). `KimiK3StaticCache` makes a decode
+step graph-capturable; `generate` then replays it.
 """
 
 import json
