@@ -280,12 +280,18 @@ class KimiK3MLAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_r = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_latent = torch.einsum("bhqd,hdr->bhqr", q_nope, w_uk)
-        scores = torch.einsum("bhqr,bkr->bhqk", q_latent, c) + torch.einsum("bhqd,bkd->bhqk", q_rope, k_r)
+        batch, heads, queries = q.shape[:3]
+
+        def per_key(x, y):  # [B, heads, Tq, d] x [B, keys, d]^T -> [B, heads, Tq, keys], one bmm over B
+            return (x.flatten(1, 2) @ y.mT).view(batch, heads, queries, -1)
+
+        # matmuls rather than einsums: the same products with less Python and fewer permutes (~5 us less each at a
+        # CPU decode step); equal up to the bmms' summation order (bitwise at the CPU benchmark's decode shapes)
+        scores = per_key(q_nope @ w_uk, c) + per_key(q_rope, k_r)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * self.scale
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.softmax(dim=-1).to(c.dtype)
-        return torch.einsum("bhqr,hvr->bhqv", torch.einsum("bhqk,bkr->bhqr", probs, c), w_uv)
+        return (probs.flatten(1, 2) @ c).view(batch, heads, queries, -1) @ w_uv.mT
 
 
 def _next_positions(cache, length, device):
