@@ -49,12 +49,12 @@ def recurrent_kda(q, k, v, g, beta, scale, initial_state=None):
     batch, length, heads, key_dim = k.shape
     state = q.new_zeros(batch, heads, key_dim, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    for t in range(length):
+    for t in range(length):  # x^T S as a batched [1, K] @ [K, V] matmul: einsum's bmm with less Python per step
         state = state * g[:, t].exp().unsqueeze(-1)
         k_t = k[:, t]
-        delta = beta[:, t].unsqueeze(-1) * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k_t))
-        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t] * scale))
+        delta = beta[:, t].unsqueeze(-1) * (v[:, t] - (k_t.unsqueeze(-2) @ state).squeeze(-2))
+        state.add_(k_t.unsqueeze(-1) * delta.unsqueeze(-2))  # state is this step's own tensor
+        outputs.append(((q[:, t] * scale).unsqueeze(-2) @ state).squeeze(-2))
     return torch.stack(outputs, dim=1), state
 
 
