@@ -289,7 +289,8 @@ class KimiK3MLAttention(nn.Module):
         # CPU decode step); equal up to the bmms' summation order (bitwise at the CPU benchmark's decode shapes)
         scores = per_key(q_nope @ w_uk, c) + per_key(q_rope, k_r)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * self.scale
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.softmax(dim=-1).to(c.dtype)
         return (probs.flatten(1, 2) @ c).view(batch, heads, queries, -1) @ w_uv.mT
 
@@ -303,7 +304,13 @@ def _next_positions(cache, length, device):
 def _causal_padding_mask(attention_mask, positions, keys):
     """Boolean [B or 1, 1, Tq, keys] for queries at absolute `positions` over keys 0..keys-1: causal, padding keys
     hidden; each query also sees itself so no row is empty. Key slots past the queries (a static cache's unused
-    tail) fall under the causal part."""
+    tail) fall under the causal part.
+
+    None where it would hide nothing: one query at the last key without padding (a decode step with a growing
+    cache), checked only for positions on the CPU, where reading one is free; attention then runs unmasked."""
+    if attention_mask is None and positions.shape == (1,) and positions.device.type == "cpu" and (
+            int(positions[0]) == keys - 1):
+        return None
     q_pos = positions[:, None]
     k_pos = torch.arange(keys, device=positions.device)[None, :]
     mask = k_pos <= q_pos
