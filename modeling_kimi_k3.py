@@ -24,12 +24,12 @@ from transformers.utils import logging
 try:
     from .configuration_kimi_k3 import KimiK3Config
     from .kda import kda_forward
-    from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
     from kda import kda_forward
-    from mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
 
 logger = logging.get_logger(__name__)
@@ -486,16 +486,18 @@ class KimiK3LatentMoE(nn.Module):
             index = torch.tensor(chunk, device=routed.device)
             w1, s1, w3, s3, w2, s2 = (t.index_select(0, index) for t in stack[:6])
             uniform = min(sizes) == max(sizes)
-            w13 = dequantize_mxfp4(torch.cat([w1, w3], 1).flatten(0, 1), torch.cat([s1, s3], 1).flatten(0, 1),
-                                   dtype=rows.dtype).view(len(chunk), 2 * inner, latent)
+            w13 = dequantize_unchecked(torch.cat([w1, w3], 1).flatten(0, 1), torch.cat([s1, s3], 1).flatten(0, 1),
+                                       rows.dtype).view(len(chunk), 2 * inner, latent)
             if uniform:
                 act = first.gated(rows.view(len(chunk), sizes[0], latent), w13)
             else:
                 act = [first.gated(x, w13[i]) for i, x in enumerate(rows.split(sizes))]
             del w13  # before w2 is dequantized: the two are never held at once
-            w2 = dequantize_mxfp4(w2.flatten(0, 1), s2.flatten(0, 1), dtype=rows.dtype).view(len(chunk), latent, inner)
+            w2 = dequantize_unchecked(w2.flatten(0, 1), s2.flatten(0, 1), rows.dtype).view(len(chunk), latent, inner)
             y = (act @ w2.mT).view(-1, latent) if uniform else torch.cat([a @ w2[i].mT for i, a in enumerate(act)])
             out.append(y.float())
+        if len(out) == 1:  # a decode step's one chunk: no copy
+            return out[0]
         return torch.cat(out) if out else torch.empty(routed.shape, dtype=torch.float32, device=routed.device)
 
 
