@@ -397,7 +397,11 @@ class KimiK3Expert(nn.Module):
     def gated(self, z, w13):
         """`situ(w1 z, w3 z)` on given weights w13 [..., 2*inner, L] (w1's rows, then w3's); with a leading expert
         dimension on both it runs one batched matmul."""
-        h = z @ w13.mT
+        return self.glu(z @ w13.mT)
+
+    def glu(self, h):
+        """SiTU-GLU of w1 and w3 outputs side by side, h [..., 2*inner]: elementwise, so rows of several experts
+        can go through one call."""
         inner = h.shape[-1] // 2
         return situ_glu(h[..., :inner], h[..., inner:], self.beta, self.linear_beta)
 
@@ -467,7 +471,7 @@ class KimiK3LatentMoE(nn.Module):
         parameters then view). Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights):
         one dequantization of all their w1 and w3 packs and one of their w2 packs (after the first is used), each
         followed, where every expert has the same number of rows (a decode step), by a batched matmul over the
-        chunk, else by a matmul per expert.
+        chunk, else by a matmul per expert (and one SiTU-GLU call over all their rows).
         """
         first = self.experts[0]
         if not isinstance(first.w1, MXFP4Linear) or first.w1.weight_packed.device != routed.device:
@@ -491,12 +495,12 @@ class KimiK3LatentMoE(nn.Module):
             if uniform:
                 act = first.gated(rows.view(len(chunk), sizes[0], latent), w13)
             else:
-                act = [first.gated(x, w13[i]) for i, x in enumerate(rows.split(sizes))]
+                act = first.glu(torch.cat([x @ w13[i].mT for i, x in enumerate(rows.split(sizes))])).split(sizes)
             del w13  # before w2 is dequantized: the two are never held at once
             w2 = dequantize_unchecked(w2.flatten(0, 1), s2.flatten(0, 1), rows.dtype).view(len(chunk), latent, inner)
             y = (act @ w2.mT).view(-1, latent) if uniform else torch.cat([a @ w2[i].mT for i, a in enumerate(act)])
             out.append(y.float())
-        if len(out) == 1:  # a decode step's one chunk: no copy
+        if len(out) == 1:  # one chunk (all but very large batches): no copy
             return out[0]
         return torch.cat(out) if out else torch.empty(routed.shape, dtype=torch.float32, device=routed.device)
 
