@@ -53,7 +53,7 @@ def recurrent_kda(q, k, v, g, beta, scale, initial_state=None):
         state = state * g[:, t].exp().unsqueeze(-1)
         k_t = k[:, t]
         delta = beta[:, t].unsqueeze(-1) * (v[:, t] - (k_t.unsqueeze(-2) @ state).squeeze(-2))
-        state.add_(k_t.unsqueeze(-1) * delta.unsqueeze(-2))  # state is this step's own tensor
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
         outputs.append(((q[:, t] * scale).unsqueeze(-2) @ state).squeeze(-2))
     return torch.stack(outputs, dim=1), state
 
