@@ -43,10 +43,10 @@ if triton is not None:
 
     @triton.jit
     def _attn_res_mix_kernel(src_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, n, rows, eps, out_eps,
-                             H: tl.constexpr, OUT_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+                             H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
         """One program per row (token) over its n sources [n, rows, H]: each source's sum of squares and dot with
-        norm_w * proj_w (its score is that dot / rms), then the softmax-weighted sum, rounded to the output dtype;
-        with OUT_NORM that rounded mix's RMSNorm (weight out_w), from a third pass that recomputes it."""
+        norm_w * proj_w (its score is that dot / rms); the softmax-weighted sum, rounded to the output dtype, for
+        its sum of squares; then, recomputed, its RMSNorm (weight out_w)."""
         row = tl.program_id(0).to(tl.int64)
         offs_n = tl.arange(0, BLOCK_N)
         n_mask = offs_n < n
@@ -69,20 +69,16 @@ if triton is not None:
             offs_h = h0 + tl.arange(0, BLOCK_H)
             h_mask = offs_h < H
             mixed = _mixed_tile(base + offs_h[None, :], n_mask[:, None] & h_mask[None, :], p)
-            mixed = mixed.to(out_ptr.dtype.element_ty)
-            if OUT_NORM:
-                out_sq += tl.where(h_mask, mixed.to(tl.float32) * mixed.to(tl.float32), 0.0)
-            else:
-                tl.store(out_ptr + row * H + offs_h, mixed, mask=h_mask)
-        if OUT_NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(out_sq, axis=0) / H + out_eps)
-            for h0 in range(0, H, BLOCK_H):
-                offs_h = h0 + tl.arange(0, BLOCK_H)
-                h_mask = offs_h < H
-                mixed = _mixed_tile(base + offs_h[None, :], n_mask[:, None] & h_mask[None, :], p)
-                mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
-                w = tl.load(out_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + row * H + offs_h, (mixed * rstd * w).to(out_ptr.dtype.element_ty), mask=h_mask)
+            mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
+            out_sq += mixed * mixed
+        rstd = 1.0 / tl.sqrt(tl.sum(out_sq, axis=0) / H + out_eps)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            h_mask = offs_h < H
+            mixed = _mixed_tile(base + offs_h[None, :], n_mask[:, None] & h_mask[None, :], p)
+            mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(out_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * H + offs_h, (mixed * rstd * w).to(out_ptr.dtype.element_ty), mask=h_mask)
 
     @triton.jit
     def _short_conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr, T, D, stride_xb, stride_xt, stride_yb,
@@ -124,19 +120,18 @@ if triton is not None:
             tl.store(new_state_ptr + b * D * (K - 1) + offs_d[None, :] * (K - 1) + offs_i[:, None],
                      new.to(new_state_ptr.dtype.element_ty), mask=i_mask)
 
-def attn_res_mix(stacked, norm_weight, proj_weight, eps, out_weight=None, out_eps=0.0):
-    """`sum_j softmax_j((v_j / rms(v_j)) . (norm_weight * proj_weight)) v_j` over dim 0 of `stacked` [n, ..., H],
-    in fp32, rounded to stacked's dtype, shape [..., H]; with `out_weight`, that result's RMSNorm (eps `out_eps`)."""
+def attn_res_mix(stacked, norm_weight, proj_weight, eps, out_weight, out_eps):
+    """RMSNorm (weight `out_weight`, eps `out_eps`) of `sum_j softmax_j((v_j / rms(v_j)) . (norm_weight *
+    proj_weight)) v_j` over dim 0 of `stacked` [n, ..., H]; in fp32, the mix rounded to stacked's dtype before the
+    norm (as the torch code does), returned in that dtype with shape [..., H]."""
     stacked = stacked.contiguous()
     n, hidden = stacked.shape[0], stacked.shape[-1]
     rows = stacked[0].numel() // hidden
     out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
     block_n = triton.next_power_of_2(n)
     block_h = min(triton.next_power_of_2(hidden), max(128, 8192 // block_n))
-    norm_out = out_weight is not None
-    _attn_res_mix_kernel[(rows,)](stacked, norm_weight, proj_weight, out_weight if norm_out else norm_weight, out, n,
-                                  rows, float(eps), float(out_eps), H=hidden, OUT_NORM=norm_out, BLOCK_N=block_n,
-                                  BLOCK_H=block_h, num_warps=8)
+    _attn_res_mix_kernel[(rows,)](stacked, norm_weight, proj_weight, out_weight, out, n, rows, float(eps),
+                                  float(out_eps), H=hidden, BLOCK_N=block_n, BLOCK_H=block_h, num_warps=8)
     return out
 
 
