@@ -151,12 +151,13 @@ def short_conv(inputs, weights, states=None, in_place=False):
         x, state = x.contiguous(), state.contiguous()
         y = torch.empty(batch, length, channels, dtype=x.dtype, device=x.device)
         new = state if overwrite else torch.empty_like(state)
-        block_t = max(4, min(16, triton.next_power_of_2(length)), triton.next_power_of_2(kernel - 1))
+        block_s = triton.next_power_of_2(kernel - 1)  # the history's length, padded
+        block_t = max(4, min(16, triton.next_power_of_2(length)), block_s)
         block_d = 256
         grid = (batch, triton.cdiv(length, block_t), triton.cdiv(channels, block_d))
         _short_conv_kernel[grid](x, weight, state, y, new, length, channels, x.stride(0), x.stride(1), y.stride(0),
-                                 y.stride(1), K=kernel, BLOCK_T=block_t, BLOCK_D=block_d,
-                                 BLOCK_S=triton.next_power_of_2(kernel - 1), num_warps=4)
+                                 y.stride(1), K=kernel, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_S=block_s,
+                                 num_warps=4)
         outputs.append(y)
         new_states.append(new)
     return outputs, new_states

@@ -250,13 +250,13 @@ class KimiK3DeltaAttention(nn.Module):
             out_gate = torch.sigmoid(self.g_proj(x)).view(heads)
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         conv_states, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
-        (q, k, v), conv_states = self.short_convs(projected, conv_states, cache is not None and cache.in_place)
+        in_place = cache is not None and cache.in_place  # kernels may overwrite the cache's state tensors
+        (q, k, v), conv_states = self.short_convs(projected, conv_states, in_place)
         branch.join()
         # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                               state, decode=length == 1 and state is not None,
-                               in_place=cache is not None and cache.in_place)
+                               state, decode=length == 1 and state is not None, in_place=in_place)
         if cache is not None:
             cache.update_kda(self.layer_idx, tuple(conv_states), state)
         o = self.o_norm(o.to(x.dtype)) * out_gate
