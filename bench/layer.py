@@ -431,6 +431,13 @@ DECODE_VARIANTS = {
     "dot_scaled_fastmath_w2_s2": _cfg(16, (32, 128, 2, 2), (32, 128, 2, 2), "dot_scaled", fast_math=True),
     "dot_scaled_fastmath_w2_bk256": _cfg(16, (32, 256, 2, 3), (32, 256, 2, 3), "dot_scaled", fast_math=True),
     "dot_scaled_fastmath_w4_bk256": _cfg(16, (64, 256, 4, 3), (64, 256, 4, 3), "dot_scaled", fast_math=True),
+    "lop3_w2": _cfg(16, (32, 128, 2, 3), (32, 128, 2, 3), "lop3"),
+    "lop3_w2_bk256": _cfg(16, (32, 256, 2, 3), (32, 256, 2, 3), "lop3"),
+    "lop3_w2_bk512": _cfg(16, (32, 512, 2, 3), (32, 512, 2, 3), "lop3"),
+    "lop3_w2_bk256_s2": _cfg(16, (32, 256, 2, 2), (32, 256, 2, 2), "lop3"),
+    "lop3_w2_bn16_bk256": _cfg(16, (16, 256, 2, 3), (16, 256, 2, 3), "lop3"),
+    "lop3_w1_bn16_bk256": _cfg(16, (16, 256, 1, 3), (16, 256, 1, 3), "lop3"),
+    "lop3_w4_bn64_bk256": _cfg(16, (64, 256, 4, 3), (64, 256, 4, 3), "lop3"),
 }
 PREFILL_VARIANTS = {
     "dot_scaled_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled"),
@@ -438,6 +445,9 @@ PREFILL_VARIANTS = {
     "dot_scaled_bm128_atomic": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "dot_scaled", atomic=True),
     "asm_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "asm"),
     "asm_bm64": _cfg(64, (128, 128, 8, 3), (128, 128, 8, 3), "asm"),
+    "lop3_bm128": _cfg(128, (128, 128, 8, 3), (128, 128, 8, 3), "lop3"),
+    "lop3_bm128_bk64": _cfg(128, (128, 64, 8, 3), (128, 64, 8, 3), "lop3"),
+    "lop3_bm64": _cfg(64, (128, 128, 4, 3), (128, 128, 4, 3), "lop3"),
 }
 
 

@@ -14,7 +14,7 @@ export KIMI_K3_QUICK_TUNE=${KIMI_K3_QUICK_TUNE:-1} PYTHONUNBUFFERED=1 HF_HUB_OFF
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu,clocks.sm --format=csv
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -rA -s -p no:cacheprovider tests/test_gpu_paths.py \
+    timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -rA -s -p no:cacheprovider tests/test_gpu_paths.py ${TESTS_K:+-k "$TESTS_K"} \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"
     grep -E "greedy|fla kda in model|static-cache|passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -20

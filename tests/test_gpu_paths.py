@@ -83,10 +83,30 @@ def test_mxfp4_moe_block_matches_reference(tokens):
     assert rel(out, ref) < BF16_TOL
 
 
+def test_router_bf16_gemm_matches_the_fp32_one():
+    """On CUDA the router multiplies the bf16 weight with fp32 output (no fp32 copy of it a call): the same exact
+    products, summed in another order, so the same experts and weights to fp32 rounding."""
+    moe = moe_block(seed=4)
+    x = torch.randn(64, 192, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, weights = moe.gate(x)
+        gate = moe.gate.float()
+        ref_ids, ref_weights = gate(x.float())  # fp32 weight: the F.linear path
+    assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    torch.testing.assert_close(weights.gather(-1, order), ref_weights.gather(-1, ref_order), rtol=1e-5, atol=1e-7)
+
+
+WIDE_CONFIG = dict(BM=16, w13=(64, 256, 4, 3), w2=(64, 256, 4, 3))
+
+
 @pytest.mark.parametrize("upcast,atomic,config", [
-    (u, False, c) for u in ("dot_scaled", "manual", "asm", "asm_swap") for c in ("decode", "prefill")
-] + [("dot_scaled", True, "decode"), ("asm_swap", True, "decode"), ("asm", True, "prefill")])
+    (u, False, c) for u in ("dot_scaled", "manual", "asm", "asm_swap", "lop3") for c in ("decode", "prefill")
+] + [("dot_scaled", True, "decode"), ("asm_swap", True, "decode"), ("asm", True, "prefill"), ("lop3", True, "decode"),
+       ("lop3", False, "wide")])
 def test_mxfp4_kernel_variants(upcast, atomic, config):
+    """Each upcast on the decode and prefill configurations, and "wide": 4-warp programs of 64 rows (wgmma, whose
+    register layouts differ from the 2-warp mma ones)."""
     moe = moe_block(seed=1)
     tokens = 200 if config == "prefill" else 5
     z = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
@@ -98,11 +118,33 @@ def test_mxfp4_kernel_variants(upcast, atomic, config):
             token, slot = (ids == e).nonzero(as_tuple=True)
             ref.index_add_(0, token, moe.experts[e](z[token]).float() * weights[token, slot, None])
         stack = mxfp4_triton.stack_experts(moe)
-        out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, config=mxfp4_triton.CONFIGS[config],
-                                       upcast=upcast, atomic=atomic)
+        cfg = WIDE_CONFIG if config == "wide" else mxfp4_triton.CONFIGS[config]
+        out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, config=cfg, upcast=upcast, atomic=atomic)
     err = rel(out, ref)
     print(f"mxfp4 {upcast} {config} atomic={atomic}: rel err {err:.2e}")
     assert err < BF16_TOL
+    assert stack.lop3_ok  # scale codes 114..123: the lop3 kernels ran, not their dot_scaled fallback
+
+
+@pytest.mark.parametrize("low,high", [(0, 129), (114, 140)])
+def test_mxfp4_lop3_kernels_over_the_scale_codes(low, high):
+    """Scale codes from 0 up to the largest the lop3 kernels fold into one bf16 factor give the reference; a layer
+    with any larger code is flagged at stacking and runs dot_scaled instead, still matching."""
+    moe = moe_block(seed=3)
+    fill_packs(moe, low, high, seed=3)
+    tokens = 3
+    z = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(16, device=DEVICE)[:4] for _ in range(tokens)])
+    weights = torch.rand(tokens, 4, device=DEVICE)
+    ref = torch.zeros(tokens, 256, device=DEVICE, dtype=torch.float32)
+    with torch.no_grad():
+        for e in ids.unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            ref.index_add_(0, token, moe.experts[e](z[token]).float() * weights[token, slot, None])
+        stack = mxfp4_triton.stack_experts(moe)
+        out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, upcast="lop3")
+    assert stack.lop3_ok == (high - 1 <= mxfp4_triton.LOP3_MAX_SCALE_CODE)
+    assert rel(out, ref) < BF16_TOL
 
 
 def test_expert_stack_shares_storage_and_keeps_values():

@@ -39,3 +39,34 @@ def test_attn_res_mix_kernel_compiles(block_n):
     consts = {"H": 7168, "BLOCK_N": block_n, "BLOCK_H": 8192 // block_n}
     compile_for_sm90(fused_triton._attn_res_mix_kernel, {**pointers, **scalars, **dict.fromkeys(consts, "constexpr")},
                      consts)
+
+
+def _divisible(fn, signature):
+    """What Triton's launcher would specialize here: pointers and strides known to be multiples of 16."""
+    names = [n for n, kind in signature.items() if kind.startswith("*") or n.startswith("stride")]
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+
+@pytest.mark.parametrize("upcast", [4])
+@pytest.mark.parametrize("kernel", ["w13", "w2"])
+def test_mxfp4_lop3_kernels_compile(kernel, upcast):
+    """The "lop3" expert kernels (inline-PTX E2M1 -> bf16 bit trick) at the release's shapes."""
+    import mxfp4_triton
+    tl = triton.language
+    common = {"rows_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32", "top_k": "i32"}
+    consts = {"E": 320, "BM": 16, "BN": 32, "BK": 128, "UPCAST": upcast, "F32_DOT": False, "FAST_MATH": True,
+              "ACT": tl.bfloat16, "PAIRS": True}
+    if kernel == "w13":
+        fn = mxfp4_triton._w13_kernel
+        signature = {"z_ptr": "*bf16", "w1_ptr": "*u8", "s1_ptr": "*u8", "w3_ptr": "*u8", "s3_ptr": "*u8",
+                     "h_ptr": "*bf16", "stride_z": "i32", "stride_h": "i32", **common}
+        consts.update(K=3584, N=3072, BETA=4.0, LINEAR_BETA=25.0)
+    else:
+        fn = mxfp4_triton._w2_kernel
+        signature = {"h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "weight_ptr": "*fp32", "y_ptr": "*fp32",
+                     "stride_h": "i32", "stride_y": "i32", **common}
+        consts.update(K=3072, N=3584, ATOMIC=False)
+    signature = {**signature, **dict.fromkeys(consts, "constexpr")}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts,
+                                        attrs=_divisible(fn, signature)), target=SM90, options={"num_warps": 2})
+    assert "0x01C001C0" in compiled.asm["ptx"]

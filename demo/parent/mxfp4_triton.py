@@ -43,7 +43,7 @@ ENABLED = True
 # at decode 2-warp programs of 32 rows with 3 stages beat 4-warp ones of 64 (2.75x vs 3.18x the floor at batch 1,
 # 2.34x vs 2.78x at batch 8).
 CONFIGS = {
-    "decode": dict(BM=16, w13=(32, 128, 2, 3), w2=(32, 128, 2, 3), upcast="dot_scaled", fast_math=True),
+    "decode": dict(BM=16, w13=(32, 256, 2, 3), w2=(32, 256, 2, 3), upcast="lop3"),
     "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3), upcast="dot_scaled", fast_math=True),
 }
 # Pairs per expert (on average) at or below which the decode configuration is used.
@@ -59,12 +59,17 @@ ATOMIC_COMBINE = False
 # matched the reference as closely as without, and ran 20-25% faster. CONFIGS entries override both.
 UPCAST = "dot_scaled"
 FAST_MATH = False
-_UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3}
+_UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3, "lop3": 4}
+# The "lop3" kernels fold the E8M0 scale and the 2^126 of their bit trick into one bf16 factor 2^(code - 1), a
+# normal bf16 number for codes up to LOP3_MAX_SCALE_CODE; layers with larger codes (scales above 2) use dot_scaled.
+LOP3_MAX_SCALE_CODE = 128
 
 # Under TRITON_INTERPRET=1 (CPU, numpy) the manual path multiplies in fp32: the interpreter's bf16 dot is unusable.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-Stack = namedtuple("Stack", "w1 s1 w3 s3 w2 s2 latent inner key")
+_TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+Stack = namedtuple("Stack", "w1 s1 w3 s3 w2 s2 latent inner key lop3_ok")
 
 
 def available():
@@ -106,9 +111,9 @@ def stack_experts(moe, share=True):
                     p.data = stacked[i]
             stacks[short + name[1]] = stacked
     latent, inner = experts[0].w1.in_features, experts[0].w1.out_features
+    lop3_ok = all(bool(stacks[name].max() <= LOP3_MAX_SCALE_CODE) for name in ("s1", "s3", "s2"))  # one sync
     stack = Stack(stacks["w1"], stacks["s1"], stacks["w3"], stacks["s3"], stacks["w2"], stacks["s2"], latent, inner,
-                  None)
-    stack = stack._replace(key=_stack_key(moe))
+                  _stack_key(moe), lop3_ok)
     moe._mxfp4_stack = stack
     return stack
 
@@ -147,16 +152,6 @@ def align_blocks(ids, num_experts, block_m):
     rows[slot] = order.to(torch.int32)
     block_expert = torch.searchsorted(block_end, torch.arange(total, device=device), right=True)
     return rows, block_expert.to(torch.int32).clamp_(max=num_experts)
-
-
-def pair_blocks(ids, block_m):
-    """`align_blocks`' layout with one block per (token, slot) pair and no sort: for a single token, whose top-k
-    experts are distinct, so no expert's weights are read twice. Four small kernels instead of about twelve."""
-    flat = ids.reshape(-1)
-    pairs = flat.numel()
-    rows = torch.full((pairs, block_m), pairs, dtype=torch.int32, device=flat.device)
-    rows[:, 0] = torch.arange(pairs, dtype=torch.int32, device=flat.device)
-    return rows.reshape(-1), flat.to(torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -221,6 +216,46 @@ if triton is not None:
         )
 
     @triton.jit
+    def _e2m1x4_lop3(packed):
+        """uint8 bytes -> (low nibbles, high nibbles) as bf16 holding E2M1 * 2^-126: the bit trick of `_e2m1x4_bf16`
+        without its multiply (the caller folds the 2^126 into the scale), on fewer instructions. One byte permute
+        turns b0 b1 b2 b3 into b0 b2 b1 b3, so that each output pair (bytes j, j + 1) sits 16 bits apart; then each
+        bf16 pair is two shifts and two masked merges of that one word."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, a, b;
+            prmt.b32 t, $4, $4, 0x3120;
+            shl.b32 a, t, 6;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 $0, a, b;
+            shr.b32 a, t, 2;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t, 4;
+            and.b32 b, b, 0x80008000;
+            or.b32 $1, a, b;
+            shl.b32 a, t, 2;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 $2, a, b;
+            shr.b32 a, t, 6;
+            and.b32 a, a, 0x01C001C0;
+            mov.b32 b, t;
+            and.b32 b, b, 0x80008000;
+            or.b32 $3, a, b;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+
+    @triton.jit
     def _mx_tile_dot(acc, x_row, x_mask, w_col, s_col, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
                      F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
         """acc [BM, BN] += x [BM, BK] @ dequant(w), for one K tile starting at the given pointers:
@@ -259,6 +294,18 @@ if triton is not None:
                 w_lo, w_hi = _e2m1x4_bf16(w)
                 acc = tl.dot(x_even.to(tl.bfloat16), w_lo * scale, acc)
                 acc = tl.dot(x_odd.to(tl.bfloat16), w_hi * scale, acc)
+        elif UPCAST == 4:  # "lop3": swapped as 3, the scale folded into one factor per element, K permuted
+            j = tl.arange(0, BK // 2)
+            w = tl.load(w_col + j[None, :])  # [BN, BK/2]: byte j holds elements 2j (low nibble) and 2j + 1
+            s = tl.load(s_col + tl.arange(0, BK // 32)[None, :])  # [BN, BK/32]
+            factor = ((s.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)  # 2^(s - 127) * 2^126
+            factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
+            w_lo, w_hi = _e2m1x4_lop3(w)
+            x_off = (j // 16 * 32 + j % 16)[:, None]  # per group of 32: the low nibbles' elements, then the high ones'
+            x_lo = tl.load(x_row + x_off, mask=x_mask, other=0.0)  # [BK/2, BM]
+            x_hi = tl.load(x_row + 16 + x_off, mask=x_mask, other=0.0)
+            acc = tl.dot(w_lo * factor, x_lo, acc)
+            acc = tl.dot(w_hi * factor, x_hi, acc)
         else:  # 3: as 2 with the operands swapped, acc [BN, BM] += dequant(w) [BN, 32] @ x^T [32, BM]: the weight
             # rows fill the MMA's wide side (wgmma needs 64) and the few decode tokens its narrow side
             offs = 2 * tl.arange(0, 16)
@@ -282,20 +329,23 @@ if triton is not None:
                     num_pairs, top_k, stride_z, stride_h, K: tl.constexpr, N: tl.constexpr,
                     E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     BETA: tl.constexpr, LINEAR_BETA: tl.constexpr, UPCAST: tl.constexpr,
-                    F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
+                    F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr, ACT: tl.constexpr, PAIRS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
         if expert >= E:
             return
-        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+        if PAIRS:  # one block per (token, slot) pair, expert ids read straight from the router's output
+            rows = tl.where(tl.arange(0, BM) == 0, pid_m, num_pairs)
+        else:
+            rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
         valid = rows < num_pairs
         token = tl.where(valid, rows // top_k, 0).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         expert = expert.to(tl.int64)
         K2 = K // 2
         KG = K // 32
-        if UPCAST == 3:
+        if UPCAST >= 3:
             x_row = z_ptr + token[None, :] * stride_z  # [1, BM]
             w_col = expert * N * K2 + offs_n[:, None] * K2  # [BN, 1]
             s_col = expert * N * KG + offs_n[:, None] * KG
@@ -315,30 +365,37 @@ if triton is not None:
             acc3 = _mx_tile_dot(acc3, x_row + k0, x_mask, w3_ptr + w_col + k0 // 2, s3_ptr + s_col + k0 // 32,
                                 BN, BK, UPCAST, F32_DOT, FAST_MATH)
         act = (BETA * _tanh(acc1 / BETA)) * tl.sigmoid(acc1) * (LINEAR_BETA * _tanh(acc3 / LINEAR_BETA))
-        if UPCAST == 3:
+        act = act.to(ACT)
+        if UPCAST == 4:  # stored in the w2 kernel's K order (`_k_order`)
+            offs_n = offs_n // 32 * 32 + offs_n % 2 * 16 + offs_n % 32 // 2
+        if UPCAST >= 3:
             h_ptrs = h_ptr + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None]
         else:
             h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
-        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=x_mask)
+        tl.store(h_ptrs, act, mask=x_mask)
 
     @triton.jit(do_not_specialize=["num_pairs", "top_k"])
     def _w2_kernel(h_ptr, rows_ptr, block_expert_ptr, w2_ptr, s2_ptr, weight_ptr, y_ptr,
                    num_pairs, top_k, stride_h, stride_y, K: tl.constexpr, N: tl.constexpr,
                    E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   UPCAST: tl.constexpr, ATOMIC: tl.constexpr, F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
+                   UPCAST: tl.constexpr, ATOMIC: tl.constexpr, F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr,
+                   ACT: tl.constexpr, PAIRS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
         if expert >= E:
             return
-        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+        if PAIRS:  # one block per (token, slot) pair, expert ids read straight from the router's output
+            rows = tl.where(tl.arange(0, BM) == 0, pid_m, num_pairs)
+        else:
+            rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
         valid = rows < num_pairs
         row64 = tl.where(valid, rows, 0).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         expert = expert.to(tl.int64)
         K2 = K // 2
         KG = K // 32
-        if UPCAST == 3:
+        if UPCAST >= 3:
             x_row = h_ptr + row64[None, :] * stride_h
             w_col = expert * N * K2 + offs_n[:, None] * K2
             s_col = expert * N * KG + offs_n[:, None] * KG
@@ -356,14 +413,14 @@ if triton is not None:
         weight = tl.load(weight_ptr + row64, mask=valid, other=0.0)
         # the reference rounds each expert's output to the activation dtype before weighting it in fp32
         token = row64 // top_k
-        if UPCAST == 3:
-            out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[None, :]
+        if UPCAST >= 3:
+            out = acc.to(ACT).to(tl.float32) * weight[None, :]
             if ATOMIC:
                 tl.atomic_add(y_ptr + token[None, :] * stride_y + offs_n[:, None], out, mask=x_mask, sem="relaxed")
             else:
                 tl.store(y_ptr + row64[None, :] * stride_y + offs_n[:, None], out, mask=x_mask)
         else:
-            out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+            out = acc.to(ACT).to(tl.float32) * weight[:, None]
             if ATOMIC:
                 tl.atomic_add(y_ptr + token[:, None] * stride_y + offs_n[None, :], out, mask=x_mask, sem="relaxed")
             else:
@@ -380,6 +437,20 @@ def _fit(block, size):
     while block > 32 and size % block:
         block //= 2
     return block
+
+
+_K_ORDERS = {}
+
+
+def _k_order(size, device):
+    """Where each position of the lop3 kernels' K order reads from: per group of 32 elements, first the 16 held
+    by low nibbles (elements 2b for bytes b = 0..15), then the 16 held by high nibbles (2b + 1). The w13 kernel
+    stores h in this order itself."""
+    key = (size, str(device))
+    if key not in _K_ORDERS:
+        p = torch.arange(size)
+        _K_ORDERS[key] = (p // 32 * 32 + 2 * (p % 16) + p % 32 // 16).to(device)
+    return _K_ORDERS[key]
 
 
 def pick_config(num_pairs, num_experts):
@@ -401,21 +472,31 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         upcast = ("dot_scaled" if dot_scaled else "manual") if dot_scaled is not None else config.get("upcast", UPCAST)
     if _INTERPRET:
         upcast = "manual"  # neither tl.dot_scaled nor inline PTX runs in the interpreter
+    if upcast == "lop3" and not stack.lop3_ok:
+        upcast = "dot_scaled"  # a scale code above LOP3_MAX_SCALE_CODE
     mode = _UPCAST_CODES[upcast]
     fast_math = config.get("fast_math", FAST_MATH) if fast_math is None else fast_math
     atomic = config.get("atomic", ATOMIC_COMBINE) if atomic is None else atomic
     block_m = config["BM"]
     x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
-    rows, block_expert = pair_blocks(ids, block_m) if tokens == 1 else align_blocks(ids, num_experts, block_m)
+    act = h_dtype or x.dtype  # what the reference rounds the intermediate and each expert's output to
+    if mode == 4:
+        x = x[:, _k_order(latent, x.device)]
+    pairs_mode = tokens == 1  # a single token's top-k experts are distinct: one block per pair, no sort
+    if pairs_mode:
+        rows = block_expert = ids.reshape(-1)
+    else:
+        rows, block_expert = align_blocks(ids, num_experts, block_m)
     blocks = block_expert.numel()
-    h = torch.empty(pairs, inner, dtype=h_dtype or x.dtype, device=x.device)
+    h = torch.empty(pairs, inner, dtype=act, device=x.device)
     bn, bk, warps, stages = config["w13"]
     bn, bk = _fit(bn, inner), _fit(bk, latent)
     _w13_kernel[(blocks, inner // bn)](
         x, rows, block_expert, stack.w1, stack.s1, stack.w3, stack.s3, h,
         pairs, top_k, x.stride(0), h.stride(0), K=latent, N=inner,
         E=num_experts, BM=block_m, BN=bn, BK=bk, BETA=float(beta), LINEAR_BETA=float(linear_beta),
-        UPCAST=mode, F32_DOT=_INTERPRET, FAST_MATH=fast_math, num_warps=warps, num_stages=stages,
+        UPCAST=mode, F32_DOT=_INTERPRET, FAST_MATH=fast_math, ACT=_TL_DTYPES[act], PAIRS=pairs_mode,
+        num_warps=warps, num_stages=stages,
     )
     flat_weights = weights.reshape(-1).float().contiguous()
     if atomic:
@@ -428,7 +509,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         h, rows, block_expert, stack.w2, stack.s2, flat_weights, y,
         pairs, top_k, h.stride(0), y.stride(0), K=inner, N=latent,
         E=num_experts, BM=block_m, BN=bn, BK=bk, UPCAST=mode, ATOMIC=atomic, F32_DOT=_INTERPRET, FAST_MATH=fast_math,
-        num_warps=warps, num_stages=stages,
+        ACT=_TL_DTYPES[act], PAIRS=pairs_mode, num_warps=warps, num_stages=stages,
     )
     return y if atomic else y.view(tokens, top_k, latent).sum(1)
 

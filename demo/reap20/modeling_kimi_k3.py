@@ -424,7 +424,13 @@ class KimiK3Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x):
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        if x.is_cuda and x.dtype == self.weight.dtype != torch.float32:
+            # the same fp32 products and sums straight from the stored dtype (no fp32 copy of the weight a call)
+            logits = torch.mm(x.reshape(-1, x.shape[-1]), self.weight.t(), out_dtype=torch.float32)
+            logits = logits.view(*x.shape[:-1], -1)
+        else:
+            logits = F.linear(x.float(), self.weight.float())
+        scores = torch.sigmoid(logits)
         ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(-1, ids)
         if self.renormalize:
