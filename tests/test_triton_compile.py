@@ -41,6 +41,21 @@ def test_attn_res_mix_kernel_compiles(block_n):
                      consts)
 
 
+def test_router_topk_kernel_compiles():
+    consts = {"K": 16, "BLOCK_E": 512, "RENORMALIZE": True}
+    signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "E": "i32",
+                 "scaling": "fp32", **dict.fromkeys(consts, "constexpr")}
+    compile_for_sm90(fused_triton._router_topk_kernel, signature, consts)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_pair_sum_norm_kernel_compiles(norm):
+    consts = {"K": 16, "BLOCK_L": 4096, "NORM": norm}
+    signature = {"pairs_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "L": "i32", "eps": "fp32",
+                 **dict.fromkeys(consts, "constexpr")}
+    compile_for_sm90(fused_triton._pair_sum_norm_kernel, signature, consts)
+
+
 def _divisible(fn, signature):
     """What Triton's launcher would specialize here: pointers and strides known to be multiples of 16."""
     names = [n for n, kind in signature.items() if kind.startswith("*") or n.startswith("stride")]

@@ -104,6 +104,33 @@ FUSED_SCRIPT = textwrap.dedent(
         if given is not None:
             assert all(s is g for s, g in zip(news, given)), "in_place did not return the given histories"
 
+    # the router's top-k: the biased scores' order (ties to the lower index, as a stable sort), unbiased weights
+    for rows, experts, k, renorm in [(1, 320, 16, True), (5, 20, 4, True), (3, 8, 8, False), (2, 300, 2, True)]:
+        logits, bias = torch.randn(rows, experts) * 3, torch.randn(experts) * 0.1
+        if rows > 1:  # a row whose first half ties (zero bias there), its second half far below
+            bias[: experts // 2] = 0.0
+            logits[1, : experts // 2], logits[1, experts // 2 :] = 0.5, -10.0
+        ids, weights = fused_triton.router_topk(logits, bias, k, renorm, 2.5)
+        scores = logits.sigmoid()
+        ref_ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :k]
+        ref_weights = scores.gather(-1, ref_ids)
+        if renorm:
+            ref_weights = ref_weights / (ref_weights.sum(-1, keepdim=True) + 1e-20)
+        assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids), ("router ids", rows, experts, k)
+        assert torch.allclose(weights, ref_weights * 2.5, rtol=1e-6, atol=0), ("router weights", rows, experts, k)
+    assert fused_triton.router_topk(torch.zeros(1, 8), torch.zeros(8), 3, True, 1.0) is None  # k not a power of 2
+
+    # the LatentMoE's sum over slots, rounded to the activation dtype, and its RMSNorm (or none)
+    for rows, k, width, with_norm in [(1, 16, 200, True), (3, 4, 64, True), (2, 2, 96, False)]:
+        pairs = torch.randn(rows, k, width)
+        weight = torch.rand(width) + 0.5 if with_norm else None
+        out = fused_triton.pair_sum_norm(pairs, weight, 1e-5, torch.float32)
+        ref = pairs.double().sum(1)
+        if with_norm:
+            ref = ref * (ref.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt() * weight.double()
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert out.shape == (rows, width) and err < 1e-6, ("pair sum", rows, k, width, err)
+
     # in the model: a static cache's prefill + decode steps with the fused kernels vs the torch code
     from modeling_kimi_k3 import KimiK3StaticCache
     from reap_tools.tiny import random_model, tiny_config

@@ -6,7 +6,11 @@ moving bytes. Each kernel here replaces one such chain with the same fp32 math:
   * `attn_res_mix`: the Block Attention Residuals depth mix `sum_j softmax_j(proj(norm(v_j))) v_j` over stacked
     sources and the RMSNorm of the sublayer that reads it (torch: ~13 kernels; here 1, after the stack);
   * `short_conv`: KDA's causal depthwise convolutions + SiLU of q, k and v with their conv histories (torch: ~15
-    kernels with the concatenations and copies; here 1), writing a static cache's history buffers in place.
+    kernels with the concatenations and copies; here 1), writing a static cache's history buffers in place;
+  * `router_topk`: the MoE router after its GEMM: sigmoid, the bias-corrected top-k, the chosen scores gathered,
+    renormalised and scaled (torch: ~8 kernels; here 1);
+  * `pair_sum_norm`: the LatentMoE's sum of its per-(token, slot) expert outputs, rounded to the activation dtype,
+    and the RMSNorm after it (torch: 3 kernels; here 1).
 
 The model calls these only for CUDA tensors where `available()`; everywhere else, and as the reference the tests
 compare against, it runs its own torch code. Sums run in another order than torch's, so results agree to fp32
@@ -119,6 +123,78 @@ if triton is not None:
             new = tl.where(src >= 0, last_x.to(tl.float32), last_state.to(tl.float32))
             tl.store(new_state_ptr + b * D * (K - 1) + offs_d[None, :] * (K - 1) + offs_i[:, None],
                      new.to(new_state_ptr.dtype.element_ty), mask=i_mask)
+
+    @triton.jit
+    def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scaling, K: tl.constexpr,
+                            BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+        """One row: top-K of sigmoid(logit) + bias, by one tl.topk over int64 keys (the biased score's bits made
+        order-preserving, above the inverted expert index, so ties go to the lower index), then the chosen
+        unbiased scores, renormalised (+1e-20) and scaled."""
+        row = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        valid = e < E
+        logit = tl.load(logits_ptr + row * E + e, mask=valid, other=0.0)
+        biased = tl.sigmoid(logit) + tl.load(bias_ptr + e, mask=valid, other=0.0)
+        bits = biased.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        ordered = tl.where(valid, ordered, -2147483648)
+        key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+        top = tl.topk(key, K)  # [K], descending
+        ids = BLOCK_E - 1 - (top & 0xFFFFFFFF)
+        weights = tl.sigmoid(tl.load(logits_ptr + row * E + ids))
+        if RENORMALIZE:
+            weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+        slots = tl.arange(0, K)
+        tl.store(ids_ptr + row * K + slots, ids)
+        tl.store(weights_ptr + row * K + slots, weights * scaling)
+
+
+    @triton.jit
+    def _pair_sum_norm_kernel(pairs_ptr, w_ptr, out_ptr, L, eps, K: tl.constexpr, BLOCK_L: tl.constexpr,
+                              NORM: tl.constexpr):
+        """One row: sum_j pairs[row, j, :] in fp32 (slot order), rounded to the output dtype, then its RMSNorm."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_L)
+        mask = offs < L
+        acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
+        for j in range(K):
+            acc += tl.load(pairs_ptr + (row * K + j) * L + offs, mask=mask, other=0.0)
+        y = acc.to(out_ptr.dtype.element_ty)
+        if NORM:
+            r = y.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / L + eps)
+            y = (r * rstd * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * L + offs, y, mask=mask)
+
+
+def pair_sum_norm(pairs, weight, eps, dtype):
+    """RMSNorm (`weight`, `eps`; None: no norm) of `pairs` [N, k, L] (fp32) summed over k and rounded to `dtype`,
+    returned as [N, L] in `dtype`; None for rows too wide for one program."""
+    rows, top_k, width = pairs.shape
+    block = triton.next_power_of_2(width)
+    if block > 16384:
+        return None
+    pairs = pairs.contiguous()
+    out = torch.empty(rows, width, dtype=dtype, device=pairs.device)
+    _pair_sum_norm_kernel[(rows,)](pairs, pairs if weight is None else weight, out, width, float(eps), K=top_k,
+                                   BLOCK_L=block, NORM=weight is not None, num_warps=4 if block <= 4096 else 8)
+    return out
+
+
+def router_topk(logits, bias, top_k, renormalize, scaling):
+    """`KimiK3Router`'s choice from its fp32 logits [N, E]: (ids [N, k] int64, weights [N, k] fp32), slots in
+    descending order of the biased score. top_k must be a power of two (tl.topk); None otherwise."""
+    if top_k & (top_k - 1):
+        return None
+    logits = logits.contiguous()
+    rows, experts = logits.shape
+    ids = torch.empty(rows, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(rows, top_k, dtype=torch.float32, device=logits.device)
+    block_e = triton.next_power_of_2(max(experts, top_k))
+    _router_topk_kernel[(rows,)](logits, bias.float().contiguous(), ids, weights, experts, float(scaling), K=top_k,
+                                 BLOCK_E=block_e, RENORMALIZE=bool(renormalize), num_warps=4)
+    return ids, weights
+
 
 def attn_res_mix(stacked, norm_weight, proj_weight, eps, out_weight, out_eps):
     """RMSNorm (weight `out_weight`, eps `out_eps`) of `sum_j softmax_j((v_j / rms(v_j)) . (norm_weight *

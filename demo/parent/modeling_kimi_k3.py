@@ -26,6 +26,7 @@ from transformers.utils import logging
 try:
     from .configuration_kimi_k3 import KimiK3Config
     from .fused_triton import attn_res_mix as fused_attn_res_mix, available as fused_available
+    from .fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
     from .fused_triton import short_conv as fused_short_conv
     from .kda import kda_forward
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
@@ -33,6 +34,7 @@ try:
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
     from fused_triton import attn_res_mix as fused_attn_res_mix, available as fused_available
+    from fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
     from fused_triton import short_conv as fused_short_conv
     from kda import kda_forward
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
@@ -430,6 +432,10 @@ class KimiK3Router(nn.Module):
             logits = logits.view(*x.shape[:-1], -1)
         else:
             logits = F.linear(x.float(), self.weight.float())
+        if fused_available(logits) and logits.dim() == 2:
+            chosen = fused_router_topk(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+            if chosen is not None:
+                return chosen
         scores = torch.sigmoid(logits)
         ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(-1, ids)
@@ -526,12 +532,25 @@ class KimiK3LatentMoE(nn.Module):
         ids, weights = self.gate(flat)
         z = self.routed_expert_down_proj(flat)
         packed = isinstance(self.experts[0].w1, MXFP4Linear)
-        y = triton_routed_experts(self, z, ids, weights) if x.is_cuda and packed else None  # None: not applicable
-        if y is None:
-            y = self.routed_experts(z, ids, weights)
-        y = self.routed_expert_up_proj(self.routed_expert_norm(y.to(z.dtype)))
+        pairs = triton_routed_experts(self, z, ids, weights) if x.is_cuda and packed else None  # None: not applicable
+        if pairs is None:
+            y = self.routed_expert_norm(self.routed_experts(z, ids, weights).to(z.dtype))
+        else:
+            y = self.normed_sum(pairs, z.dtype)
+        y = self.routed_expert_up_proj(y)
         branch.join()
         return (y + shared).view(shape)
+
+    def normed_sum(self, pairs, dtype):
+        """`routed_expert_norm` of the per-(token, slot) outputs [N, k, L] (fp32, weighted) summed over k and rounded
+        to `dtype`: one fused kernel where available (`fused_triton.pair_sum_norm`), else the torch ops."""
+        norm = self.routed_expert_norm
+        if fused_available(pairs) and isinstance(norm, (KimiK3RMSNorm, nn.Identity)):
+            weight, eps = (norm.weight, norm.variance_epsilon) if isinstance(norm, KimiK3RMSNorm) else (None, 0.0)
+            out = fused_pair_sum_norm(pairs, weight, eps, dtype)
+            if out is not None:
+                return out
+        return norm(pairs.sum(1).to(dtype))
 
     def routed_experts(self, z, ids, weights):
         """Reference expert sum `sum_k w_k expert_k(z)` in fp32: (token, slot) pairs are sorted by expert so each

@@ -366,7 +366,7 @@ if triton is not None:
                                 BN, BK, UPCAST, F32_DOT, FAST_MATH)
         act = (BETA * _tanh(acc1 / BETA)) * tl.sigmoid(acc1) * (LINEAR_BETA * _tanh(acc3 / LINEAR_BETA))
         act = act.to(ACT)
-        if UPCAST == 4:  # stored in the w2 kernel's K order (`_k_order`)
+        if UPCAST == 4:  # stored in the w2 kernel's K order (see run_experts)
             offs_n = offs_n // 32 * 32 + offs_n % 2 * 16 + offs_n % 32 // 2
         if UPCAST >= 3:
             h_ptrs = h_ptr + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None]
@@ -439,27 +439,14 @@ def _fit(block, size):
     return block
 
 
-_K_ORDERS = {}
-
-
-def _k_order(size, device):
-    """Where each position of the lop3 kernels' K order reads from: per group of 32 elements, first the 16 held
-    by low nibbles (elements 2b for bytes b = 0..15), then the 16 held by high nibbles (2b + 1). The w13 kernel
-    stores h in this order itself."""
-    key = (size, str(device))
-    if key not in _K_ORDERS:
-        p = torch.arange(size)
-        _K_ORDERS[key] = (p // 32 * 32 + 2 * (p % 16) + p % 32 // 16).to(device)
-    return _K_ORDERS[key]
-
-
 def pick_config(num_pairs, num_experts):
     return CONFIGS["decode" if num_pairs <= DECODE_MAX_PAIRS_PER_EXPERT * num_experts else "prefill"]
 
 
 def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=None, upcast=None, atomic=None,
-                h_dtype=None, fast_math=None, dot_scaled=None):
-    """fp32 [N, L]: sum_k weights[:, k] * expert_{ids[:, k]}(z) over the stacked packs. z: [N, L].
+                h_dtype=None, fast_math=None, dot_scaled=None, per_pair=False):
+    """fp32 [N, L]: sum_k weights[:, k] * expert_{ids[:, k]}(z) over the stacked packs. z: [N, L]. With
+    `per_pair` the terms of that sum, [N, k, L] (the caller sums them; no atomic combine).
 
     The intermediate activation (and each expert's output before weighting) is rounded to `h_dtype`, by default
     the activation dtype, as the reference does; the tests pass float32 to check the indexing exactly.
@@ -477,11 +464,12 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     mode = _UPCAST_CODES[upcast]
     fast_math = config.get("fast_math", FAST_MATH) if fast_math is None else fast_math
     atomic = config.get("atomic", ATOMIC_COMBINE) if atomic is None else atomic
+    atomic = atomic and not per_pair
     block_m = config["BM"]
     x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
     act = h_dtype or x.dtype  # what the reference rounds the intermediate and each expert's output to
-    if mode == 4:
-        x = x[:, _k_order(latent, x.device)]
+    if mode == 4:  # the lop3 kernels' K order: per group of 32, the 16 elements of low nibbles, then the 16 high
+        x = x.view(tokens, latent // 32, 16, 2).transpose(2, 3).reshape(tokens, latent)
     pairs_mode = tokens == 1  # a single token's top-k experts are distinct: one block per pair, no sort
     if pairs_mode:
         rows = block_expert = ids.reshape(-1)
@@ -511,12 +499,15 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         E=num_experts, BM=block_m, BN=bn, BK=bk, UPCAST=mode, ATOMIC=atomic, F32_DOT=_INTERPRET, FAST_MATH=fast_math,
         ACT=_TL_DTYPES[act], PAIRS=pairs_mode, num_warps=warps, num_stages=stages,
     )
-    return y if atomic else y.view(tokens, top_k, latent).sum(1)
+    if atomic:
+        return y
+    return y.view(tokens, top_k, latent) if per_pair else y.view(tokens, top_k, latent).sum(1)
 
 
 def routed_experts(moe, z, ids, weights):
-    """The routed-expert sum of a `KimiK3LatentMoE` (fp32 [N, L]) through the Triton kernels, or None where this
-    path does not apply (no triton/CUDA, switched off, experts not on z's device, sizes not multiples of 32)."""
+    """The routed-expert terms of a `KimiK3LatentMoE`, fp32 [N, k, L] (weighted; the block sums them) through the
+    Triton kernels, or None where this path does not apply (no triton/CUDA, switched off, experts not on z's
+    device, sizes not multiples of 32)."""
     if not available() or not z.is_cuda:
         return None
     expert = moe.experts[0]
@@ -526,4 +517,4 @@ def routed_experts(moe, z, ids, weights):
     stack = stack_experts(moe)
     if stack is None:
         return None
-    return run_experts(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta)
+    return run_experts(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta, per_pair=True)
