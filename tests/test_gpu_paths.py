@@ -97,6 +97,32 @@ def test_router_bf16_gemm_matches_the_fp32_one():
     torch.testing.assert_close(weights.gather(-1, order), ref_weights.gather(-1, ref_order), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("experts,top_k", [(16, 4), (320, 16)])
+def test_fused_router_topk_matches_the_torch_code(experts, top_k):
+    moe = moe_block(latent=64, inner=64, experts=experts, top_k=top_k, seed=5)
+    x = torch.randn(300, 192, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, weights = moe.gate(x)
+        fused_triton.ENABLED = False
+        try:
+            ref_ids, ref_weights = moe.gate(x)
+        finally:
+            fused_triton.ENABLED = True
+    assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+    got, ref = weights.gather(-1, ids.argsort(-1)), ref_weights.gather(-1, ref_ids.argsort(-1))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_pair_sum_norm_matches_the_torch_code():
+    norm = KimiK3RMSNorm(3584).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        pairs = torch.randn(8, 16, 3584, device=DEVICE)
+        got = fused_triton.pair_sum_norm(pairs, norm.weight, norm.variance_epsilon, torch.bfloat16)
+        ref = norm(pairs.sum(1).to(torch.bfloat16))
+    assert rel(got, ref) < 2 ** -8  # a bf16 ulp where the slot sums round differently
+
+
 WIDE_CONFIG = dict(BM=16, w13=(64, 256, 4, 3), w2=(64, 256, 4, 3))
 
 
