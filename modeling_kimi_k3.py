@@ -57,7 +57,8 @@ _side_streams = {}
 
 class SideBranch:
     """`with branch:` queues its work on a second stream of x's CUDA device, after everything queued so far;
-    `branch.join()` makes the main stream wait for it. In place (a no-op) on CPU or with SIDE_STREAM off.
+    `branch.join()` makes the main stream wait for that work (not for side work queued after it). In place (a
+    no-op) on CPU or with SIDE_STREAM off.
 
     No `record_stream` is needed as long as the caller joins before it returns: the branch's inputs are then still
     referenced while it runs, and memory it allocated and the caller frees is reused by later side-stream work only
@@ -70,6 +71,7 @@ class SideBranch:
             _side_streams[x.device] = torch.cuda.Stream(x.device)
         self.side = _side_streams[x.device] if self.main is not None else None
         self._context = None
+        self._done = None
 
     def __enter__(self):
         if self.side is not None:
@@ -80,13 +82,15 @@ class SideBranch:
 
     def __exit__(self, *exc):
         if self._context is not None:
+            self._done = torch.cuda.Event()
+            self._done.record(self.side)
             self._context.__exit__(*exc)
             self._context = None
         return False
 
     def join(self):
-        if self.side is not None:
-            self.main.wait_stream(self.side)
+        if self._done is not None:
+            self.main.wait_event(self._done)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -526,11 +530,14 @@ class KimiK3LatentMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        routing = SideBranch(flat)
+        with routing:  # the router, beside the down projection
+            ids, weights = self.gate(flat)
         branch = SideBranch(flat)
-        with branch:  # the shared experts, beside routing and the routed experts
+        with branch:  # then the shared experts, beside the routed experts
             shared = self.shared_experts(flat)
-        ids, weights = self.gate(flat)
         z = self.routed_expert_down_proj(flat)
+        routing.join()
         packed = isinstance(self.experts[0].w1, MXFP4Linear)
         pairs = triton_routed_experts(self, z, ids, weights) if x.is_cuda and packed else None  # None: not applicable
         if pairs is None:

@@ -124,15 +124,16 @@ def test_fused_pair_sum_norm_matches_the_torch_code():
 
 
 WIDE_CONFIG = dict(BM=16, w13=(64, 256, 4, 3), w2=(64, 256, 4, 3))
+NARROW_CONFIG = dict(BM=4, w13=(32, 128, 2, 3), w2=(32, 128, 2, 3))  # blocks of 4 pairs: the MMA pads them
 
 
 @pytest.mark.parametrize("upcast,atomic,config", [
     (u, False, c) for u in ("dot_scaled", "manual", "asm", "asm_swap", "lop3") for c in ("decode", "prefill")
 ] + [("dot_scaled", True, "decode"), ("asm_swap", True, "decode"), ("asm", True, "prefill"), ("lop3", True, "decode"),
-       ("lop3", False, "wide")])
+       ("lop3", False, "wide"), ("lop3", False, "narrow"), ("dot_scaled", False, "narrow")])
 def test_mxfp4_kernel_variants(upcast, atomic, config):
-    """Each upcast on the decode and prefill configurations, and "wide": 4-warp programs of 64 rows (wgmma, whose
-    register layouts differ from the 2-warp mma ones)."""
+    """Each upcast on the decode and prefill configurations; "wide": 4-warp programs of 64 rows (wgmma, whose
+    register layouts differ from the 2-warp mma ones); "narrow": blocks of 4 pairs."""
     moe = moe_block(seed=1)
     tokens = 200 if config == "prefill" else 5
     z = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
@@ -144,7 +145,7 @@ def test_mxfp4_kernel_variants(upcast, atomic, config):
             token, slot = (ids == e).nonzero(as_tuple=True)
             ref.index_add_(0, token, moe.experts[e](z[token]).float() * weights[token, slot, None])
         stack = mxfp4_triton.stack_experts(moe)
-        cfg = WIDE_CONFIG if config == "wide" else mxfp4_triton.CONFIGS[config]
+        cfg = {"wide": WIDE_CONFIG, "narrow": NARROW_CONFIG}.get(config) or mxfp4_triton.CONFIGS[config]
         out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, config=cfg, upcast=upcast, atomic=atomic)
     err = rel(out, ref)
     print(f"mxfp4 {upcast} {config} atomic={atomic}: rel err {err:.2e}")

@@ -43,7 +43,7 @@ ENABLED = True
 # at decode 2-warp programs of 32 rows with 3 stages beat 4-warp ones of 64 (2.75x vs 3.18x the floor at batch 1,
 # 2.34x vs 2.78x at batch 8).
 CONFIGS = {
-    "decode": dict(BM=16, w13=(32, 256, 2, 3), w2=(32, 256, 2, 3), upcast="lop3"),
+    "decode": dict(BM=8, w13=(32, 256, 2, 3), w2=(32, 256, 2, 3), upcast="lop3"),
     "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3), upcast="dot_scaled", fast_math=True),
 }
 # Pairs per expert (on average) at or below which the decode configuration is used.
