@@ -7,13 +7,21 @@ w1/w3 `weight_packed` [I, L/2] (element 2j in the low nibble), `weight_scale` [I
 Two grouped kernels over (token, expert) pairs sorted by expert, `BM` pairs of one expert per program:
   * `_w13_kernel`: `h = situ(w1 z, w3 z)` (SiTU-GLU in fp32 on the fp32 accumulators), stored bf16 per pair;
   * `_w2_kernel`: `y_pair = weight * bf16(w2 h)`, stored fp32 per pair (or added atomically per token);
-the host sums the k pairs of each token in fp32, as the reference does. One launch pattern serves decode (BM=16,
-the compiler swaps the operands so the 16 tokens are the narrow side of the MMA) and prefill (BM=64/128).
+the caller sums the k pairs of each token in fp32, as the reference does. For a single token the pairs need no
+sort: one block per pair, its expert read straight from the router's ids. One launch pattern serves decode (BM=8:
+the MMA pads the few tokens, the weight rows are its wide side) and prefill (BM=128).
 
-The matrix step (`UPCAST`) is `tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")` (Hopper has no FP4 MMA; Triton
-upcasts the nibbles to bf16 in registers), a packed inline-PTX nibble -> bf16 conversion followed by `tl.dot`
-("asm"), or an explicit fp32 dequant followed by `tl.dot` ("manual": what the Triton interpreter runs on CPU in
-the tests). Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
+The matrix step (`UPCAST`) turns the nibbles into bf16 MMA operands in registers (Hopper has no FP4 MMA):
+  * "lop3" (the default): an inline-PTX bit trick, one byte permute and per bf16 pair two shifts and two masked
+    merges, whose output reads as E2M1 * 2^-126; the 2^126 and the E8M0 scale are one bf16 factor per element
+    (one multiply per pair). Its operands come out as the low nibbles and the high nibbles of each byte, so the
+    K order is permuted to match: per group of 32, the 16 even elements, then the 16 odd ones (the activation is
+    reordered once per call, h is stored in that order by the w13 kernel). About 30 % fewer instructions than
+    tl.dot_scaled's upcast, which is what these kernels wait on (bench/results/layer_h200.md);
+  * "dot_scaled": `tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")`, Triton's own upcast;
+  * "asm" / "asm_swap": an older inline-PTX conversion, one scale group at a time (slower than both above);
+  * "manual": an explicit fp32 dequant, then `tl.dot` (what the Triton interpreter runs on CPU in the tests).
+Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
 The model calls `routed_experts`, which returns None when this path does not apply (no triton, experts not packed,
 tensors not on one CUDA device) so that the caller falls back to the reference path, and `stack_experts`, whose
@@ -38,26 +46,24 @@ ENABLED = True
 # Kernel configurations: decode (few pairs) and prefill (many). Each entry: BM, and BN, BK, num_warps, num_stages
 # for the w13 and the w2 kernel (BM must agree between the two: they share the routing metadata); optional keys
 # "upcast", "atomic", "fast_math" override the module defaults below for that regime.
-# The defaults are the fastest correct variants of bench/layer.py's sweep on an H200 (bench/results/layer_h200.*):
-# tl.dot_scaled with fast_math beat the inline-PTX upcasts and the CUDA-core kernels there, at decode and at prefill;
-# at decode 2-warp programs of 32 rows with 3 stages beat 4-warp ones of 64 (2.75x vs 3.18x the floor at batch 1,
-# 2.34x vs 2.78x at batch 8).
+# The defaults are the fastest correct variants of bench/layer.py's sweeps on an H200 (bench/results/layer_h200.*):
+# at decode lop3 with blocks of 8 pairs, 4-warp programs of 64 rows and BK 256 took 1.73x / 1.50x the bytes floor
+# at batch 1 / 8 (blocks of 16 pairs: 2.04x / 1.82x; tl.dot_scaled's best: 2.5-2.7x / 2.3x), and at prefill lop3
+# reached 35 % of the bf16 rate at 8k tokens (dot_scaled 31 %); tl.dot_scaled beat the older inline-PTX upcasts and
+# the CUDA-core kernels.
 CONFIGS = {
-    "decode": dict(BM=8, w13=(32, 256, 2, 3), w2=(32, 256, 2, 3), upcast="lop3"),
-    "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3), upcast="dot_scaled", fast_math=True),
+    "decode": dict(BM=8, w13=(64, 256, 4, 3), w2=(64, 256, 4, 3), upcast="lop3"),
+    "prefill": dict(BM=128, w13=(128, 128, 8, 3), w2=(128, 128, 8, 3), upcast="lop3"),
 }
 # Pairs per expert (on average) at or below which the decode configuration is used.
 DECODE_MAX_PAIRS_PER_EXPERT = 4
 # True: the w2 kernel adds weight * y into an fp32 [N, L] buffer atomically (one pass, order not fixed);
 # False: it stores per-pair rows and torch sums them (deterministic).
 ATOMIC_COMBINE = False
-# How the nibbles become bf16 MMA operands: "dot_scaled" (tl.dot_scaled: Triton's own upcast), "asm" (packed
-# inline-PTX conversion, one scale group at a time, then tl.dot), "asm_swap" (the same with weights as the MMA's
-# wide operand, for decode) or "manual" (fp32 dequant arithmetic, then tl.dot; what the Triton interpreter runs).
-# FAST_MATH is dot_scaled's `fast_math` flag, which drops Triton's special-value handling in the upcast (as we
-# understand it, the NaN of E8M0 code 255, which no pack from mxfp4.quantize_mxfp4 holds); with it the outputs
-# matched the reference as closely as without, and ran 20-25% faster. CONFIGS entries override both.
-UPCAST = "dot_scaled"
+# The upcast used where a CONFIGS entry names none (see the module docstring for the options). FAST_MATH is
+# dot_scaled's `fast_math` flag, which drops Triton's special-value handling in its upcast (as we understand it, the
+# NaN of E8M0 code 255, which no pack from mxfp4.quantize_mxfp4 holds); CONFIGS entries override both.
+UPCAST = "lop3"
 FAST_MATH = False
 _UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3, "lop3": 4}
 # The "lop3" kernels fold the E8M0 scale and the 2^126 of their bit trick into one bf16 factor 2^(code - 1), a
@@ -262,7 +268,8 @@ if triton is not None:
         x_row [BM, 1] -> x[token, k0]; w_col [1, BN] -> packed[n, k0/2]; s_col [1, BN] -> scale[n, k0/32].
 
         UPCAST 0: tl.dot_scaled (Triton upcasts e2m1 itself); 1: fp32 dequant arithmetic then tl.dot (the path the
-        interpreter runs); 2: packed inline-PTX nibble -> bf16 conversion, one scale group of 32 at a time."""
+        interpreter runs); 2: packed inline-PTX nibble -> bf16 conversion, one scale group of 32 at a time; 3: as 2
+        with the operands swapped; 4: lop3 (swapped, x in the permuted K order; see the module docstring)."""
         if UPCAST == 0:
             x = tl.load(x_row + tl.arange(0, BK)[None, :], mask=x_mask, other=0.0)
             w = tl.load(w_col + tl.arange(0, BK // 2)[:, None])  # [BK/2, BN], packed along K
