@@ -128,8 +128,8 @@ NARROW_CONFIG = dict(BM=4, w13=(32, 128, 2, 3), w2=(32, 128, 2, 3))  # blocks of
 
 
 @pytest.mark.parametrize("upcast,atomic,config", [
-    (u, False, c) for u in ("dot_scaled", "manual", "asm", "asm_swap", "lop3") for c in ("decode", "prefill")
-] + [("dot_scaled", True, "decode"), ("asm_swap", True, "decode"), ("asm", True, "prefill"), ("lop3", True, "decode"),
+    (u, False, c) for u in ("dot_scaled", "manual", "lop3") for c in ("decode", "prefill")
+] + [("dot_scaled", True, "decode"), ("lop3", True, "decode"),
        ("lop3", False, "wide"), ("lop3", False, "narrow"), ("dot_scaled", False, "narrow")])
 def test_mxfp4_kernel_variants(upcast, atomic, config):
     """Each upcast on the decode and prefill configurations; "wide": 4-warp programs of 64 rows (wgmma, whose

@@ -62,14 +62,14 @@ def _divisible(fn, signature):
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 
 
-@pytest.mark.parametrize("upcast", [4])
 @pytest.mark.parametrize("kernel", ["w13", "w2"])
-def test_mxfp4_lop3_kernels_compile(kernel, upcast):
+def test_mxfp4_lop3_kernels_compile(kernel):
     """The "lop3" expert kernels (inline-PTX E2M1 -> bf16 bit trick) at the release's shapes."""
     import mxfp4_triton
     tl = triton.language
     common = {"rows_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32", "top_k": "i32"}
-    consts = {"E": 320, "BM": 16, "BN": 32, "BK": 128, "UPCAST": upcast, "F32_DOT": False, "FAST_MATH": True,
+    consts = {"E": 320, "BM": 8, "BN": 64, "BK": 256, "UPCAST": mxfp4_triton._UPCAST_CODES["lop3"], "F32_DOT": False,
+              "FAST_MATH": True,
               "ACT": tl.bfloat16, "PAIRS": True}
     if kernel == "w13":
         fn = mxfp4_triton._w13_kernel
@@ -83,5 +83,5 @@ def test_mxfp4_lop3_kernels_compile(kernel, upcast):
         consts.update(K=3072, N=3584, ATOMIC=False)
     signature = {**signature, **dict.fromkeys(consts, "constexpr")}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts,
-                                        attrs=_divisible(fn, signature)), target=SM90, options={"num_warps": 2})
+                                        attrs=_divisible(fn, signature)), target=SM90, options={"num_warps": 4})
     assert "0x01C001C0" in compiled.asm["ptx"]

@@ -18,8 +18,8 @@ The matrix step (`UPCAST`) turns the nibbles into bf16 MMA operands in registers
     K order is permuted to match: per group of 32, the 16 even elements, then the 16 odd ones (the activation is
     reordered once per call, h is stored in that order by the w13 kernel). About 30 % fewer instructions than
     tl.dot_scaled's upcast, which is what these kernels wait on (bench/results/layer_h200.md);
-  * "dot_scaled": `tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")`, Triton's own upcast;
-  * "asm" / "asm_swap": an older inline-PTX conversion, one scale group at a time (slower than both above);
+  * "dot_scaled": `tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")`, Triton's own upcast (also the fallback for
+    layers with scale codes above LOP3_MAX_SCALE_CODE);
   * "manual": an explicit fp32 dequant, then `tl.dot` (what the Triton interpreter runs on CPU in the tests).
 Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
@@ -65,7 +65,7 @@ ATOMIC_COMBINE = False
 # NaN of E8M0 code 255, which no pack from mxfp4.quantize_mxfp4 holds); CONFIGS entries override both.
 UPCAST = "lop3"
 FAST_MATH = False
-_UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "asm": 2, "asm_swap": 3, "lop3": 4}
+_UPCAST_CODES = {"dot_scaled": 0, "manual": 1, "lop3": 2}
 # The "lop3" kernels fold the E8M0 scale and the 2^126 of their bit trick into one bf16 factor 2^(code - 1), a
 # normal bf16 number for codes up to LOP3_MAX_SCALE_CODE; layers with larger codes (scales above 2) use dot_scaled.
 LOP3_MAX_SCALE_CODE = 128
@@ -176,57 +176,12 @@ if triton is not None:
         return tl.where((nib & 8) != 0, -mag, mag)
 
     @triton.jit
-    def _e2m1x4_bf16(packed):
-        """uint8 bytes -> (low nibbles, high nibbles) as bf16, four bytes per instruction sequence: each nibble's
-        bits go straight into bf16 fields (sign -> bit 15, the three magnitude bits -> bits 6..8, which reads as
-        E2M1 * 2^-126, code 1 as a subnormal), then one bf16x2 multiply by 2^126 makes them exact E2M1 values."""
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 z, k, t01, t23, a, b;
-            mov.b32 z, 0;
-            mov.b32 k, 0x7E807E80;
-            prmt.b32 t01, $4, z, 0x4140;
-            prmt.b32 t23, $4, z, 0x4342;
-            shl.b32 a, t01, 6;
-            and.b32 a, a, 0x01C001C0;
-            shl.b32 b, t01, 12;
-            and.b32 b, b, 0x80008000;
-            or.b32 a, a, b;
-            mul.rn.bf16x2 $0, a, k;
-            shl.b32 a, t23, 6;
-            and.b32 a, a, 0x01C001C0;
-            shl.b32 b, t23, 12;
-            and.b32 b, b, 0x80008000;
-            or.b32 a, a, b;
-            mul.rn.bf16x2 $1, a, k;
-            shl.b32 a, t01, 2;
-            and.b32 a, a, 0x01C001C0;
-            shl.b32 b, t01, 8;
-            and.b32 b, b, 0x80008000;
-            or.b32 a, a, b;
-            mul.rn.bf16x2 $2, a, k;
-            shl.b32 a, t23, 2;
-            and.b32 a, a, 0x01C001C0;
-            shl.b32 b, t23, 8;
-            and.b32 b, b, 0x80008000;
-            or.b32 a, a, b;
-            mul.rn.bf16x2 $3, a, k;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r",
-            args=[packed],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
-
-    @triton.jit
     def _e2m1x4_lop3(packed):
-        """uint8 bytes -> (low nibbles, high nibbles) as bf16 holding E2M1 * 2^-126: the bit trick of `_e2m1x4_bf16`
-        without its multiply (the caller folds the 2^126 into the scale), on fewer instructions. One byte permute
-        turns b0 b1 b2 b3 into b0 b2 b1 b3, so that each output pair (bytes j, j + 1) sits 16 bits apart; then each
-        bf16 pair is two shifts and two masked merges of that one word."""
+        """uint8 bytes -> (low nibbles, high nibbles) as bf16 holding E2M1 * 2^-126: each nibble's bits go straight
+        into bf16 fields (sign -> bit 15, the three magnitude bits -> bits 6..8, which reads as E2M1 * 2^-126, code 1
+        as a subnormal); the caller's one multiply by 2^126 * scale makes them exact. One byte permute turns
+        b0 b1 b2 b3 into b0 b2 b1 b3, so that each output pair (bytes j, j + 1) sits 16 bits apart; then each bf16
+        pair is two shifts and two masked merges of that one word."""
         return tl.inline_asm_elementwise(
             asm="""
             {
@@ -264,12 +219,11 @@ if triton is not None:
     @triton.jit
     def _mx_tile_dot(acc, x_row, x_mask, w_col, s_col, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
                      F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr):
-        """acc [BM, BN] += x [BM, BK] @ dequant(w), for one K tile starting at the given pointers:
-        x_row [BM, 1] -> x[token, k0]; w_col [1, BN] -> packed[n, k0/2]; s_col [1, BN] -> scale[n, k0/32].
-
-        UPCAST 0: tl.dot_scaled (Triton upcasts e2m1 itself); 1: fp32 dequant arithmetic then tl.dot (the path the
-        interpreter runs); 2: packed inline-PTX nibble -> bf16 conversion, one scale group of 32 at a time; 3: as 2
-        with the operands swapped; 4: lop3 (swapped, x in the permuted K order; see the module docstring)."""
+        """acc += x @ dequant(w) for one K tile starting at the given pointers. UPCAST 0: tl.dot_scaled (Triton
+        upcasts e2m1 itself) and 1: fp32 dequant arithmetic then tl.dot (the path the interpreter runs), both with
+        acc [BM, BN], x_row [BM, 1] -> x[token, k0], w_col / s_col [1, BN] -> packed[n, k0/2] / scale[n, k0/32];
+        2: lop3, with the operands swapped (acc [BN, BM], x_row [1, BM], w_col / s_col [BN, 1]) and x in the
+        permuted K order (see the module docstring)."""
         if UPCAST == 0:
             x = tl.load(x_row + tl.arange(0, BK)[None, :], mask=x_mask, other=0.0)
             w = tl.load(w_col + tl.arange(0, BK // 2)[:, None])  # [BK/2, BN], packed along K
@@ -290,18 +244,8 @@ if triton is not None:
             else:
                 acc = tl.dot(x_even.to(tl.bfloat16), w_lo.to(tl.bfloat16), acc)
                 acc = tl.dot(x_odd.to(tl.bfloat16), w_hi.to(tl.bfloat16), acc)
-        elif UPCAST == 2:
-            offs = 2 * tl.arange(0, 16)
-            for g in tl.static_range(BK // 32):
-                x_even = tl.load(x_row + (32 * g + offs)[None, :], mask=x_mask, other=0.0)
-                x_odd = tl.load(x_row + (32 * g + 1 + offs)[None, :], mask=x_mask, other=0.0)
-                w = tl.load(w_col + (16 * g + tl.arange(0, 16))[:, None])  # [16, BN] bytes = 32 elements
-                s = tl.load(s_col + g)  # [1, BN] E8M0 codes
-                scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(s-127) as bf16 (code 255: inf)
-                w_lo, w_hi = _e2m1x4_bf16(w)
-                acc = tl.dot(x_even.to(tl.bfloat16), w_lo * scale, acc)
-                acc = tl.dot(x_odd.to(tl.bfloat16), w_hi * scale, acc)
-        elif UPCAST == 4:  # "lop3": swapped as 3, the scale folded into one factor per element, K permuted
+        else:  # 2, "lop3": acc [BN, BM] += dequant(w) [BN, BK] @ x^T [BK, BM] (the weight rows are the MMA's wide
+            # side), the scale folded into one factor per element, K permuted
             j = tl.arange(0, BK // 2)
             w = tl.load(w_col + j[None, :])  # [BN, BK/2]: byte j holds elements 2j (low nibble) and 2j + 1
             s = tl.load(s_col + tl.arange(0, BK // 32)[None, :])  # [BN, BK/32]
@@ -313,18 +257,6 @@ if triton is not None:
             x_hi = tl.load(x_row + 16 + x_off, mask=x_mask, other=0.0)
             acc = tl.dot(w_lo * factor, x_lo, acc)
             acc = tl.dot(w_hi * factor, x_hi, acc)
-        else:  # 3: as 2 with the operands swapped, acc [BN, BM] += dequant(w) [BN, 32] @ x^T [32, BM]: the weight
-            # rows fill the MMA's wide side (wgmma needs 64) and the few decode tokens its narrow side
-            offs = 2 * tl.arange(0, 16)
-            for g in tl.static_range(BK // 32):
-                x_even = tl.load(x_row + (32 * g + offs)[:, None], mask=x_mask, other=0.0)  # [16, BM]
-                x_odd = tl.load(x_row + (32 * g + 1 + offs)[:, None], mask=x_mask, other=0.0)
-                w = tl.load(w_col + (16 * g + tl.arange(0, 16))[None, :])  # [BN, 16]
-                s = tl.load(s_col + g)  # [BN, 1]
-                scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
-                w_lo, w_hi = _e2m1x4_bf16(w)
-                acc = tl.dot(w_lo * scale, x_even.to(tl.bfloat16), acc)
-                acc = tl.dot(w_hi * scale, x_odd.to(tl.bfloat16), acc)
         return acc
 
     @triton.jit
@@ -352,7 +284,7 @@ if triton is not None:
         expert = expert.to(tl.int64)
         K2 = K // 2
         KG = K // 32
-        if UPCAST >= 3:
+        if UPCAST == 2:
             x_row = z_ptr + token[None, :] * stride_z  # [1, BM]
             w_col = expert * N * K2 + offs_n[:, None] * K2  # [BN, 1]
             s_col = expert * N * KG + offs_n[:, None] * KG
@@ -373,9 +305,9 @@ if triton is not None:
                                 BN, BK, UPCAST, F32_DOT, FAST_MATH)
         act = (BETA * _tanh(acc1 / BETA)) * tl.sigmoid(acc1) * (LINEAR_BETA * _tanh(acc3 / LINEAR_BETA))
         act = act.to(ACT)
-        if UPCAST == 4:  # stored in the w2 kernel's K order (see run_experts)
+        if UPCAST == 2:  # stored in the w2 kernel's K order (see run_experts)
             offs_n = offs_n // 32 * 32 + offs_n % 2 * 16 + offs_n % 32 // 2
-        if UPCAST >= 3:
+        if UPCAST == 2:
             h_ptrs = h_ptr + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None]
         else:
             h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
@@ -402,7 +334,7 @@ if triton is not None:
         expert = expert.to(tl.int64)
         K2 = K // 2
         KG = K // 32
-        if UPCAST >= 3:
+        if UPCAST == 2:
             x_row = h_ptr + row64[None, :] * stride_h
             w_col = expert * N * K2 + offs_n[:, None] * K2
             s_col = expert * N * KG + offs_n[:, None] * KG
@@ -420,7 +352,7 @@ if triton is not None:
         weight = tl.load(weight_ptr + row64, mask=valid, other=0.0)
         # the reference rounds each expert's output to the activation dtype before weighting it in fp32
         token = row64 // top_k
-        if UPCAST >= 3:
+        if UPCAST == 2:
             out = acc.to(ACT).to(tl.float32) * weight[None, :]
             if ATOMIC:
                 tl.atomic_add(y_ptr + token[None, :] * stride_y + offs_n[:, None], out, mask=x_mask, sem="relaxed")
@@ -475,7 +407,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     block_m = config["BM"]
     x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
     act = h_dtype or x.dtype  # what the reference rounds the intermediate and each expert's output to
-    if mode == 4:  # the lop3 kernels' K order: per group of 32, the 16 elements of low nibbles, then the 16 high
+    if mode == 2:  # the lop3 kernels' K order: per group of 32, the 16 elements of low nibbles, then the 16 high
         x = x.view(tokens, latent // 32, 16, 2).transpose(2, 3).reshape(tokens, latent)
     pairs_mode = tokens == 1  # a single token's top-k experts are distinct: one block per pair, no sort
     if pairs_mode:
