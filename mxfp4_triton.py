@@ -263,6 +263,14 @@ if triton is not None:
     def _tanh(x):
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
+    @triton.jit
+    def _block_rows(rows_ptr, pid_m, num_pairs, BM: tl.constexpr, PAIRS: tl.constexpr):
+        """The flat (token, slot) pair of each of a block's BM rows (`num_pairs`: padding). PAIRS: one block per
+        pair, in order (its expert read straight from the router's ids); else from `align_blocks`' rows."""
+        if PAIRS:
+            return tl.where(tl.arange(0, BM) == 0, pid_m, num_pairs)
+        return tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+
     @triton.jit(do_not_specialize=["num_pairs", "top_k"])
     def _w13_kernel(z_ptr, rows_ptr, block_expert_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                     num_pairs, top_k, stride_z, stride_h, K: tl.constexpr, N: tl.constexpr,
@@ -274,10 +282,7 @@ if triton is not None:
         expert = tl.load(block_expert_ptr + pid_m)
         if expert >= E:
             return
-        if PAIRS:  # one block per (token, slot) pair, expert ids read straight from the router's output
-            rows = tl.where(tl.arange(0, BM) == 0, pid_m, num_pairs)
-        else:
-            rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+        rows = _block_rows(rows_ptr, pid_m, num_pairs, BM, PAIRS)
         valid = rows < num_pairs
         token = tl.where(valid, rows // top_k, 0).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -307,7 +312,6 @@ if triton is not None:
         act = act.to(ACT)
         if UPCAST == 2:  # stored in the w2 kernel's K order (see run_experts)
             offs_n = offs_n // 32 * 32 + offs_n % 2 * 16 + offs_n % 32 // 2
-        if UPCAST == 2:
             h_ptrs = h_ptr + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None]
         else:
             h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
@@ -324,10 +328,7 @@ if triton is not None:
         expert = tl.load(block_expert_ptr + pid_m)
         if expert >= E:
             return
-        if PAIRS:  # one block per (token, slot) pair, expert ids read straight from the router's output
-            rows = tl.where(tl.arange(0, BM) == 0, pid_m, num_pairs)
-        else:
-            rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+        rows = _block_rows(rows_ptr, pid_m, num_pairs, BM, PAIRS)
         valid = rows < num_pairs
         row64 = tl.where(valid, rows, 0).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)

@@ -123,6 +123,20 @@ def test_fused_pair_sum_norm_matches_the_torch_code():
     assert rel(got, ref) < 2 ** -8  # a bf16 ulp where the slot sums round differently
 
 
+def routed_case(moe, tokens):
+    """Random latents [tokens, 256], top-4 ids of 16 experts, weights, and the routed sum through the experts'
+    own (dequantizing) forward, fp32."""
+    z = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(16, device=DEVICE)[:4] for _ in range(tokens)])
+    weights = torch.rand(tokens, 4, device=DEVICE)
+    ref = torch.zeros(tokens, 256, device=DEVICE, dtype=torch.float32)
+    with torch.no_grad():
+        for e in ids.unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            ref.index_add_(0, token, moe.experts[e](z[token]).float() * weights[token, slot, None])
+    return z, ids, weights, ref
+
+
 WIDE_CONFIG = dict(BM=16, w13=(64, 256, 4, 3), w2=(64, 256, 4, 3))
 NARROW_CONFIG = dict(BM=4, w13=(32, 128, 2, 3), w2=(32, 128, 2, 3))  # blocks of 4 pairs: the MMA pads them
 
@@ -135,15 +149,8 @@ def test_mxfp4_kernel_variants(upcast, atomic, config):
     """Each upcast on the decode and prefill configurations; "wide": 4-warp programs of 64 rows (wgmma, whose
     register layouts differ from the 2-warp mma ones); "narrow": blocks of 4 pairs."""
     moe = moe_block(seed=1)
-    tokens = 200 if config == "prefill" else 5
-    z = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(16, device=DEVICE)[:4] for _ in range(tokens)])
-    weights = torch.rand(tokens, 4, device=DEVICE)
-    ref = torch.zeros(tokens, 256, device=DEVICE, dtype=torch.float32)
+    z, ids, weights, ref = routed_case(moe, 200 if config == "prefill" else 5)
     with torch.no_grad():
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            ref.index_add_(0, token, moe.experts[e](z[token]).float() * weights[token, slot, None])
         stack = mxfp4_triton.stack_experts(moe)
         cfg = {"wide": WIDE_CONFIG, "narrow": NARROW_CONFIG}.get(config) or mxfp4_triton.CONFIGS[config]
         out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, config=cfg, upcast=upcast, atomic=atomic)
@@ -159,15 +166,8 @@ def test_mxfp4_lop3_kernels_over_the_scale_codes(low, high):
     with any larger code is flagged at stacking and runs dot_scaled instead, still matching."""
     moe = moe_block(seed=3)
     fill_packs(moe, low, high, seed=3)
-    tokens = 3
-    z = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(16, device=DEVICE)[:4] for _ in range(tokens)])
-    weights = torch.rand(tokens, 4, device=DEVICE)
-    ref = torch.zeros(tokens, 256, device=DEVICE, dtype=torch.float32)
+    z, ids, weights, ref = routed_case(moe, 3)
     with torch.no_grad():
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            ref.index_add_(0, token, moe.experts[e](z[token]).float() * weights[token, slot, None])
         stack = mxfp4_triton.stack_experts(moe)
         out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, upcast="lop3")
     assert stack.lop3_ok == (high - 1 <= mxfp4_triton.LOP3_MAX_SCALE_CODE)

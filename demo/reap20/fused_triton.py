@@ -148,7 +148,6 @@ if triton is not None:
         tl.store(ids_ptr + row * K + slots, ids)
         tl.store(weights_ptr + row * K + slots, weights * scaling)
 
-
     @triton.jit
     def _pair_sum_norm_kernel(pairs_ptr, w_ptr, out_ptr, L, eps, K: tl.constexpr, BLOCK_L: tl.constexpr,
                               NORM: tl.constexpr):
