@@ -16,8 +16,9 @@ The matrix step (`UPCAST`) turns the nibbles into bf16 MMA operands in registers
     merges, whose output reads as E2M1 * 2^-126; the 2^126 and the E8M0 scale are one bf16 factor per element
     (one multiply per pair). Its operands come out as the low nibbles and the high nibbles of each byte, so the
     K order is permuted to match: per group of 32, the 16 even elements, then the 16 odd ones (the activation is
-    reordered once per call, h is stored in that order by the w13 kernel). About 30 % fewer instructions than
-    tl.dot_scaled's upcast, which is what these kernels wait on (bench/results/layer_h200.md);
+    reordered once per call, h is stored in that order by the w13 kernel). About a fifth fewer instructions in
+    the kernels' main loops than with tl.dot_scaled (`bench/kernel_sass.py`), and instructions are what these
+    kernels wait on (bench/results/layer_h200.md);
   * "dot_scaled": `tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")`, Triton's own upcast (also the fallback for
     layers with scale codes above LOP3_MAX_SCALE_CODE);
   * "manual": an explicit fp32 dequant, then `tl.dot` (what the Triton interpreter runs on CPU in the tests).
