@@ -190,7 +190,7 @@ def generate_tok_s(model, prompt, new_tokens, static):
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                 past_key_values=cache)
+                                 cache=cache)
         torch.cuda.synchronize()
         assert out.shape[1] == prompt.shape[1] + tokens
         return time.perf_counter() - start

@@ -8,6 +8,11 @@ from modeling_kimi_k3 import KimiK3StaticCache
 from reap_tools.tiny import random_model, tiny_config
 
 
+def cache_of(output):
+    """The cache a forward returned, under the name the installed transformers gives it."""
+    return output["cache"] if "cache" in output.keys() else output["past_key_values"]
+
+
 @pytest.fixture(scope="module")
 def model():
     model = random_model(tiny_config(packed=True), seed=3)
@@ -56,10 +61,10 @@ def test_prefill_then_decode_equals_one_forward(model):
     with torch.no_grad():
         full = model(ids).logits
         prefill = model(ids[:, :-1], use_cache=True)
-        step = model(ids[:, -1:], past_key_values=prefill.past_key_values, use_cache=True).logits
+        step = model(ids[:, -1:], past_key_values=cache_of(prefill), use_cache=True).logits
         torch.testing.assert_close(step[:, 0], full[:, -1], atol=1e-5, rtol=1e-4)
         first = model(ids[:, :6], use_cache=True)
-        rest = model(ids[:, 6:], past_key_values=first.past_key_values, use_cache=True).logits
+        rest = model(ids[:, 6:], cache=cache_of(first), use_cache=True).logits
         torch.testing.assert_close(rest, full[:, 6:], atol=1e-5, rtol=1e-4)
 
 
@@ -126,12 +131,12 @@ def test_static_cache_generates_what_the_growing_cache_does(model):
     with torch.no_grad():
         growing = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
         cache = model.make_static_cache(batch_size=2, max_length=24)
-        static = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, past_key_values=cache)
+        static = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, cache=cache)
         full = model(growing, attention_mask=torch.cat([mask, torch.ones(2, 12, dtype=mask.dtype)], 1)).logits
     assert torch.equal(static, growing)
     assert cache.get_seq_length() == 7 + 11  # the last token is returned, not fed back
-    assert cache.latents[2].shape == (2, 24, model.config.text_config.kv_lora_rank +
-                                      model.config.text_config.qk_rope_head_dim)
+    assert cache.layers[2].latent.shape == (2, 24, model.config.text_config.kv_lora_rank +
+                                            model.config.text_config.qk_rope_head_dim)
     # the step logits read back from the static buffers agree with one uncached forward over the same tokens
     cache = KimiK3StaticCache(model.config, batch_size=2, max_length=24)
     with torch.no_grad():
@@ -145,9 +150,9 @@ def test_static_cache_reset_serves_a_new_prompt(model):
     first, second = torch.tensor([[4, 8, 15, 16, 23]]), torch.tensor([[300, 2, 17, 9, 41, 7, 7]])
     with torch.no_grad():
         cache = model.make_static_cache(batch_size=1, max_length=20)
-        model.generate(first, max_new_tokens=10, do_sample=False, past_key_values=cache)
+        model.generate(first, max_new_tokens=10, do_sample=False, cache=cache)
         cache.reset()
-        reused = model.generate(second, max_new_tokens=10, do_sample=False, past_key_values=cache)
+        reused = model.generate(second, max_new_tokens=10, do_sample=False, cache=cache)
         fresh = model.generate(second, max_new_tokens=10, do_sample=False)
     assert torch.equal(reused, fresh)
 
@@ -157,7 +162,7 @@ def test_static_cache_beam_search_and_limits(model):
     with torch.no_grad():
         beams = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False)
         cache = KimiK3StaticCache(model.config, batch_size=3, max_length=10)
-        static = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, past_key_values=cache)
+        static = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, cache=cache)
         assert torch.equal(static, beams)
         with pytest.raises(ValueError, match="holds 4 tokens; this call needs 5"):
             model(torch.tensor([[1, 2, 3, 4, 5]]), past_key_values=KimiK3StaticCache(model.config, 1, 4),

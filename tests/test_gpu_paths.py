@@ -390,7 +390,7 @@ def test_static_cache_graph_decode_matches_eager(fla):
             for graph in (False, True):
                 cache = KimiK3StaticCache(model.config, batch_size=2, max_length=48, cuda_graph=graph)
                 runs[graph] = model.generate(prompt, attention_mask=mask, max_new_tokens=32, do_sample=False,
-                                             past_key_values=cache)
+                                             cache=cache)
                 assert (cache.graph is not None) == graph
         agree, mean_gap, max_gap = teacher_forced(model, prompt[:1], runs[True][:1])  # the unpadded row
     finally:
@@ -414,7 +414,7 @@ def test_side_streams_change_nothing():
                 cache = KimiK3StaticCache(model.config, batch_size=1, max_length=40, cuda_graph=True)
                 first = model(prompt, past_key_values=cache, use_cache=True).logits
                 tokens = model.generate(prompt, max_new_tokens=24, do_sample=False,
-                                        past_key_values=model.make_static_cache(1, 40))
+                                        cache=model.make_static_cache(1, 40))
             runs[side] = first, tokens
     finally:
         modeling_kimi_k3.SIDE_STREAM = True

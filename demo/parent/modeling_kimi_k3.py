@@ -11,6 +11,7 @@ missing; independent parts of a block run on a second stream (`SideBranch`). `Ki
 step graph-capturable; `generate` then replays it.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
@@ -255,16 +257,15 @@ class KimiK3DeltaAttention(nn.Module):
             beta_raw = self.b_proj(x)
             out_gate = torch.sigmoid(self.g_proj(x)).view(heads)
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        conv_states, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
-        in_place = cache is not None and cache.in_place  # kernels may overwrite the cache's state tensors
-        (q, k, v), conv_states = self.short_convs(projected, conv_states, in_place)
+        own = cache.layers[self.layer_idx] if cache is not None else KimiK3DeltaCacheLayer()  # no cache: a scratch one
+        (q, k, v), conv_states = self.short_convs(projected, own.conv_states, own.in_place)
         branch.join()
         # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
+        state = own.recurrent_state
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                               state, decode=length == 1 and state is not None, in_place=in_place)
-        if cache is not None:
-            cache.update_kda(self.layer_idx, tuple(conv_states), state)
+                               state, decode=length == 1 and state is not None, in_place=own.in_place)
+        own.update(conv_states, state)
         o = self.o_norm(o.to(x.dtype)) * out_gate
         return self.o_proj(o.reshape(batch, length, -1))
 
@@ -329,7 +330,7 @@ class KimiK3MLAttention(nn.Module):
         if positions is None:
             positions = _next_positions(cache, length, x.device)
         if cache is not None:
-            latent = cache.update_latent(self.layer_idx, latent, positions)  # every key these queries may see
+            latent = cache.layers[self.layer_idx].update(latent, positions)  # every key these queries may see
         mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
         branch.join()
         # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
@@ -678,52 +679,127 @@ class KimiK3DecoderLayer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class KimiK3Cache:
-    """Hybrid generation cache: per KDA layer the three conv histories and the fp32 recurrent state, per MLA layer
-    the compressed latent [B, T, kv_lora_rank + qk_rope_head_dim], which grows by concatenation. Entries are created
-    on each layer's device. Layers reach it only through `prepare`, `kda_state`, `update_kda` and `update_latent`."""
+class KimiK3CacheLayer:
+    """One decoder layer's share of the cache, answering what transformers' `Cache` asks of its layers (reset,
+    beam reordering, batch selection, crop) over the state tensors named in `_fields` (a tuple field holds several).
+    Tensors are created on the layer's own device by the layer's first call."""
 
     is_compileable = False
+    is_sliding = False
+    is_croppable = False  # a KDA state cannot be rolled back, so no layer offers it
+    supports_early_init = False
     in_place = False  # whether kernels may overwrite the state tensors they are given
+    _fields = ()
+
+    def __init__(self):
+        self._clear()
+
+    def _clear(self):
+        for name in self._fields:
+            setattr(self, name, None)
+
+    def tensors(self):
+        """Every allocated state tensor."""
+        values = [getattr(self, name) for name in self._fields]
+        return [t for v in values if v is not None for t in (v if isinstance(v, tuple) else (v,))]
+
+    def _map(self, fn):
+        for name in self._fields:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, tuple(map(fn, value)) if isinstance(value, tuple) else fn(value))
+
+    def reorder_cache(self, beam_idx):
+        """Select batch rows (beam search)."""
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices):
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats):
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def reset(self):
+        self._clear()
+
+    def crop(self, tokens_to_remove):
+        if tokens_to_remove:
+            raise ValueError("The Kimi K3 cache cannot drop tokens: its KDA layers keep a recurrent state, not one "
+                             "entry per token")
+
+
+class KimiK3DeltaCacheLayer(KimiK3CacheLayer):
+    """A KDA layer's state: the q, k and v short-conv histories and the fp32 recurrent state."""
+
+    _fields = ("conv_states", "recurrent_state")
+
+    def update(self, conv_states, recurrent_state):
+        self.conv_states, self.recurrent_state = tuple(conv_states), recurrent_state
+
+
+class KimiK3LatentCacheLayer(KimiK3CacheLayer):
+    """An MLA layer's compressed latents [B, T, kv_lora_rank + qk_rope_head_dim], grown by concatenation."""
+
+    _fields = ("latent",)
+
+    def update(self, latent, positions):
+        """Append the new tokens' latents; returns all of this layer's keys [B, keys, width]."""
+        self.latent = latent if self.latent is None else torch.cat([self.latent, latent], dim=1)
+        return self.latent
+
+
+class KimiK3Cache(Cache):
+    """Hybrid generation cache: transformers' `Cache` over one `KimiK3DeltaCacheLayer` per KDA layer and one
+    `KimiK3LatentCacheLayer` per MLA layer, plus the count of tokens seen. Layers reach their share as
+    `cache.layers[layer_idx]` and call its `update`; the decoder checks each call's mask through `prepare`."""
+
+    delta_layer, latent_layer = KimiK3DeltaCacheLayer, KimiK3LatentCacheLayer
 
     def __init__(self, config):
         config = getattr(config, "text_config", config)
-        layers = config.num_hidden_layers
-        self.conv_states = [None] * layers
-        self.recurrent_states = [None] * layers
-        self.latents = [None] * layers
+        super().__init__(layers=[self.delta_layer() if kind == "kda" else self.latent_layer()
+                                 for kind in config.layer_types])
         self.seen_tokens = 0
+
+    is_compileable = False
+    is_croppable = False
 
     def get_seq_length(self, layer_idx=0):
         return self.seen_tokens
+
+    def get_max_length(self, layer_idx=None):
+        """Tokens the cache can hold, -1 for no limit (the name of transformers 5.x)."""
+        return -1
+
+    def get_max_cache_shape(self, layer_idx=0):
+        """`get_max_length` under the name of transformers 4.57."""
+        return self.get_max_length()
+
+    @property
+    def max_cache_len(self):
+        return self.get_max_length()
+
+    @property
+    def batch_size(self):
+        """Rows of the cached states, -1 before the first call."""
+        return next((t.shape[0] for layer in self.layers for t in layer.tensors()), -1)
+
+    @property
+    def max_batch_size(self):
+        """`batch_size` under the name of transformers 4.57."""
+        return self.batch_size
+
+    def get_mask_sizes(self, query_length, layer_idx=0):
+        return self.seen_tokens + query_length, 0
+
+    def reset(self):
+        super().reset()
+        self.seen_tokens = 0
 
     def prepare(self, attention_mask, batch, length, device):
         """Check a call's mask and return (mask over every key, absolute positions [length] of the new tokens)."""
         _check_mask(attention_mask, self.seen_tokens + length)
         return attention_mask, _next_positions(self, length, device)
-
-    def kda_state(self, layer_idx):
-        return self.conv_states[layer_idx], self.recurrent_states[layer_idx]
-
-    def update_kda(self, layer_idx, conv_states, recurrent_state):
-        self.conv_states[layer_idx] = conv_states
-        self.recurrent_states[layer_idx] = recurrent_state
-
-    def update_latent(self, layer_idx, latent, positions):
-        """Append the new tokens' latents; returns all of this layer's keys [B, keys, width]."""
-        past = self.latents[layer_idx]
-        self.latents[layer_idx] = latent if past is None else torch.cat([past, latent], dim=1)
-        return self.latents[layer_idx]
-
-    def reorder_cache(self, beam_idx):
-        """Select batch rows (beam search)."""
-
-        def pick(t):
-            return t.index_select(0, beam_idx.to(t.device))
-
-        self.latents = [None if t is None else pick(t) for t in self.latents]
-        self.recurrent_states = [None if t is None else pick(t) for t in self.recurrent_states]
-        self.conv_states = [None if s is None else tuple(pick(t) for t in s) for s in self.conv_states]
 
 
 def _check_mask(attention_mask, expected):
@@ -735,37 +811,89 @@ def _capturing():
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+class KimiK3StaticCacheLayer(KimiK3CacheLayer):
+    """A layer's state in buffers that keep their addresses: the first call allocates them, later calls, beam
+    reordering and `reset` write into them."""
+
+    in_place = True
+
+    def __init__(self, rows, max_length):
+        super().__init__()
+        self.rows, self.max_length = rows, max_length
+
+    def reorder_cache(self, beam_idx):
+        for t in self.tensors():
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats):
+        raise ValueError("A KimiK3StaticCache keeps its batch size; make one for the expanded batch")
+
+    def reset(self):
+        """Zeroed states are what a first call starts from."""
+        for t in self.tensors():
+            t.zero_()
+
+
+class KimiK3StaticDeltaCacheLayer(KimiK3StaticCacheLayer, KimiK3DeltaCacheLayer):
+    def update(self, conv_states, recurrent_state):
+        if self.recurrent_state is None:
+            super().update(tuple(c.clone() for c in conv_states), recurrent_state.clone())
+            return
+        for buffer, new in zip(self.conv_states + (self.recurrent_state,), tuple(conv_states) + (recurrent_state,)):
+            if new is not buffer:  # fla's decode kernel and the fused short conv already wrote into their buffers
+                buffer.copy_(new)
+
+
+class KimiK3StaticLatentCacheLayer(KimiK3StaticCacheLayer, KimiK3LatentCacheLayer):
+    def update(self, latent, positions):
+        """Write the new latents at their positions; returns the whole [B, max_length, width] buffer (the unused
+        tail is masked as future keys)."""
+        if self.latent is None:
+            self.latent = latent.new_zeros(self.rows, self.max_length, latent.shape[-1])
+        return self.latent.index_copy_(1, positions, latent)
+
+
 class KimiK3StaticCache(KimiK3Cache):
     """Preallocated cache for up to `max_length` tokens of `batch_size` rows, updated in place, so that a decode
     step reads and writes the same addresses every time and can be replayed as a CUDA graph.
 
-    MLA latents are written into [B, max_length, width] buffers at the tokens' positions (the unused tail is masked
-    as future keys); KDA states are copied into their buffers. The attention mask and the position counter live in
-    device buffers too. With `cuda_graph=True` (and the model on one CUDA device), `KimiK3ForCausalLM` runs each
-    one-token step through `decode_step`: the first eagerly (it warms up kernels and libraries), the second is
-    captured, the rest are replays. Pass it to `generate(past_key_values=...)`; `reset()` readies it, graph and all,
-    for the next prompt.
+    The attention mask and the position counter live in device buffers too. With `cuda_graph=True` (and the model
+    on one CUDA device), `KimiK3ForCausalLM` runs each one-token step through `decode_step`: the first eagerly (it
+    warms up kernels and libraries), the second is captured, the rest are replays. Pass it to `generate` as the
+    cache (`model.cache_kwargs(cache)` names it as the installed transformers does); `reset()` readies it, graph
+    and all, for the next prompt (as transformers' StaticCache.reset).
     """
 
-    in_place = True
-
     def __init__(self, config, batch_size, max_length, cuda_graph=True):
+        self.rows, self.max_length, self.cuda_graph = batch_size, max_length, cuda_graph
         super().__init__(config)
-        self.batch_size, self.max_length, self.cuda_graph = batch_size, max_length, cuda_graph
         self.mask = None  # [B, max_length] bool: 1 = a real token
         self.position = None  # long scalar: tokens cached before the current call
         self.graph = self.graph_ids = self.graph_logits = None
         self.warm = False
+
+    def delta_layer(self):
+        return KimiK3StaticDeltaCacheLayer(self.rows, self.max_length)
+
+    def latent_layer(self):
+        return KimiK3StaticLatentCacheLayer(self.rows, self.max_length)
+
+    def get_max_length(self, layer_idx=None):
+        return self.max_length
+
+    @property
+    def batch_size(self):
+        return self.rows
 
     def prepare(self, attention_mask, batch, length, device):
         end = self.seen_tokens + length
         if end > self.max_length:
             raise ValueError(f"KimiK3StaticCache holds {self.max_length} tokens; this call needs {end}")
         _check_mask(attention_mask, end)
-        if batch != self.batch_size:
-            raise ValueError(f"KimiK3StaticCache is for batch {self.batch_size}, this call has {batch} rows")
+        if batch != self.rows:
+            raise ValueError(f"KimiK3StaticCache is for batch {self.rows}, this call has {batch} rows")
         if self.mask is None:
-            self.mask = torch.ones(self.batch_size, self.max_length, dtype=torch.bool, device=device)
+            self.mask = torch.ones(self.rows, self.max_length, dtype=torch.bool, device=device)
             self.position = torch.zeros((), dtype=torch.long, device=device)
         if not _capturing():  # a graph replay finds them written by `decode_step`
             self._write_inputs(attention_mask, end)
@@ -778,37 +906,11 @@ class KimiK3StaticCache(KimiK3Cache):
         else:
             self.mask[:, :end].copy_(attention_mask)
 
-    def update_kda(self, layer_idx, conv_states, recurrent_state):
-        if self.recurrent_states[layer_idx] is None:
-            super().update_kda(layer_idx, tuple(c.clone() for c in conv_states), recurrent_state.clone())
-            return
-        for buffer, new in zip(self.conv_states[layer_idx] + (self.recurrent_states[layer_idx],),
-                               conv_states + (recurrent_state,)):
-            if new is not buffer:  # fla's decode kernel already wrote the state into its buffer
-                buffer.copy_(new)
-
-    def update_latent(self, layer_idx, latent, positions):
-        buffer = self.latents[layer_idx]
-        if buffer is None:
-            buffer = self.latents[layer_idx] = latent.new_zeros(self.batch_size, self.max_length, latent.shape[-1])
-        return buffer.index_copy_(1, positions, latent)
-
-    def _state_buffers(self):
-        """Every allocated latent, recurrent-state and conv-history buffer."""
-        buffers = [t for t in self.latents + self.recurrent_states if t is not None]
-        return buffers + [t for s in self.conv_states if s is not None for t in s]
-
-    def reset(self):
-        """Empty the cache for a new prompt of the same batch size, keeping its buffers and its captured graph (as
-        transformers' StaticCache.reset): zeroed states are what a first call starts from."""
-        for t in self._state_buffers():
-            t.zero_()
-        self.seen_tokens = 0
-
     def reorder_cache(self, beam_idx):
         """Select batch rows (beam search), in place."""
-        for t in self._state_buffers() + ([self.mask] if self.mask is not None else []):
-            t.copy_(t.index_select(0, beam_idx.to(t.device)))
+        super().reorder_cache(beam_idx)
+        if self.mask is not None:
+            self.mask.copy_(self.mask.index_select(0, beam_idx.to(self.mask.device)))
 
     def decode_step(self, step, input_ids, attention_mask):
         """`step(input_ids, attention_mask) -> logits` for one new token per row, replayed from a CUDA graph once
@@ -862,12 +964,11 @@ class KimiK3TextModel(nn.Module):
         self.output_attn_res_proj = KimiK3AttnResProj(config.hidden_size)
         self.norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, past_key_values=None, use_cache=False):
+    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, cache=None, use_cache=False):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        cache = past_key_values
         if use_cache and cache is None:
             cache = KimiK3Cache(self.config)
         length, device = inputs_embeds.shape[1], inputs_embeds.device
@@ -911,7 +1012,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     _no_split_modules = ["KimiK3DecoderLayer"]
     _keep_in_fp32_modules = ["A_log", "dt_bias", "e_score_correction_bias"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _is_stateful = True
     _keys_to_ignore_on_load_unexpected = None
 
@@ -1044,12 +1145,36 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.language_model = KimiK3LanguageModel(config, with_head=False)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None, use_cache=None,
-                return_dict=True, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, cache=None, inputs_embeds=None, use_cache=None,
+                return_dict=True, past_key_values=None, **kwargs):
+        cache = _given_cache(cache, past_key_values, kwargs)
         _reject_unsupported_outputs(kwargs)
-        hidden, cache = self.language_model.model(input_ids, inputs_embeds, attention_mask, past_key_values,
-                                                  bool(use_cache))
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache)
+        hidden, cache = self.language_model.model(input_ids, inputs_embeds, attention_mask, cache, bool(use_cache))
+        return _output_with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden)
+
+
+def _given_cache(cache, past_key_values, kwargs):
+    """The cache a call was given: transformers passes it as `cache` from 5.24 and as `past_key_values` before, and
+    a user may write either. A cache under any other keyword is an error rather than a call that silently runs
+    uncached, as is a cache of another type (the hybrid KDA/MLA state needs a `KimiK3Cache`)."""
+    if past_key_values is not None:
+        if cache is not None and cache is not past_key_values:
+            raise ValueError("Got both `cache` and `past_key_values`; pass the cache once")
+        cache = past_key_values
+    stray = sorted(name for name, value in kwargs.items() if isinstance(value, Cache))
+    if stray:
+        raise TypeError(f"Got a cache as {stray}: pass it as `cache` (or `past_key_values`)")
+    if cache is not None and not isinstance(cache, KimiK3Cache):
+        raise TypeError(f"Kimi K3 needs a KimiK3Cache (KDA states beside MLA latents), got {type(cache).__name__}; "
+                        "leave the cache to the model or use `make_static_cache`")
+    return cache
+
+
+def _output_with_cache(output_class, cache, **fields):
+    """`output_class(**fields)` with the cache under the field name the installed transformers gives it (`cache` from
+    5.24, `past_key_values` before), so that `generate` reads it back and nothing warns."""
+    names = {f.name for f in dataclasses.fields(output_class)}
+    return output_class(**fields, **{"cache" if "cache" in names else "past_key_values": cache})
 
 
 def _reject_unsupported_outputs(kwargs):
@@ -1070,17 +1195,17 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         return self.language_model.lm_head
 
     def make_static_cache(self, batch_size, max_length, cuda_graph=True):
-        """A `KimiK3StaticCache` for `generate(..., past_key_values=cache)`: preallocated for `max_length` tokens
-        (prompt + new) of `batch_size` rows; on one CUDA device each one-token step is then a CUDA-graph replay."""
+        """A `KimiK3StaticCache` for `generate(..., cache=cache)`: preallocated for `max_length` tokens (prompt +
+        new) of `batch_size` rows; on one CUDA device each one-token step is then a CUDA-graph replay."""
         return KimiK3StaticCache(self.config, batch_size, max_length, cuda_graph)
 
     def set_output_embeddings(self, value):
         self.language_model.lm_head = value
 
-    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None, labels=None,
-                use_cache=None, logits_to_keep=0, return_dict=True, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, cache=None, inputs_embeds=None, labels=None,
+                use_cache=None, logits_to_keep=0, return_dict=True, past_key_values=None, **kwargs):
+        cache = _given_cache(cache, past_key_values, kwargs)
         _reject_unsupported_outputs(kwargs)
-        cache = past_key_values
 
         def step(ids, mask):
             nonlocal cache  # created by the decoder when use_cache is set and none was passed
@@ -1097,17 +1222,18 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             if attention_mask is not None:
                 shifted = shifted.masked_fill(~attention_mask[:, 1:].bool().to(logits.device), -100)
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), shifted.flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return _output_with_cache(CausalLMOutputWithPast, cache, loss=loss, logits=logits)
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None,
-                                      use_cache=True, logits_to_keep=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None,
+                                      use_cache=True, logits_to_keep=None, past_key_values=None, **kwargs):
         """Feed only the tokens the cache has not seen; prompt embeddings only on the first step."""
-        seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cache = _given_cache(cache, past_key_values, kwargs)
+        seen = cache.get_seq_length() if cache is not None else 0
         if inputs_embeds is not None and seen == 0:
             inputs = {"inputs_embeds": inputs_embeds}
         else:
             inputs = {"input_ids": input_ids[:, seen:]}
-        inputs.update(attention_mask=attention_mask, past_key_values=past_key_values, use_cache=use_cache)
+        inputs.update(attention_mask=attention_mask, cache=cache, use_cache=use_cache)
         if logits_to_keep is not None:
             inputs["logits_to_keep"] = logits_to_keep
         return inputs
