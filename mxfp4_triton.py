@@ -79,8 +79,9 @@ _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: 
 Stack = namedtuple("Stack", "w1 s1 w3 s3 w2 s2 latent inner key lop3_ok")
 
 
-def available():
-    return ENABLED and triton is not None and (torch.cuda.is_available() or _INTERPRET)
+def available(x):
+    """True where the expert kernels would run for activations `x`."""
+    return ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,8 +269,8 @@ if triton is not None:
     def _block_rows(rows_ptr, pid_m, num_pairs, BM: tl.constexpr, PAIRS: tl.constexpr):
         """The flat (token, slot) pair of each of a block's BM rows (`num_pairs`: padding). PAIRS: one block per
         pair, in order (its expert read straight from the router's ids); else from `align_blocks`' rows."""
-        if PAIRS:
-            return tl.where(tl.arange(0, BM) == 0, pid_m, num_pairs)
+        if PAIRS:  # in the rows' own integer type (the router's int64 ids), as the other branch returns
+            return tl.where(tl.arange(0, BM) == 0, pid_m, num_pairs).to(rows_ptr.dtype.element_ty)
         return tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
 
     @triton.jit(do_not_specialize=["num_pairs", "top_k"])
@@ -449,7 +450,7 @@ def routed_experts(moe, z, ids, weights):
     """The routed-expert terms of a `KimiK3LatentMoE`, fp32 [N, k, L] (weighted; the block sums them) through the
     Triton kernels, or None where this path does not apply (no triton/CUDA, switched off, experts not on z's
     device, sizes not multiples of 32)."""
-    if not available() or not z.is_cuda:
+    if not available(z):
         return None
     expert = moe.experts[0]
     latent, inner = expert.w1.in_features, expert.w1.out_features

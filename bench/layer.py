@@ -172,8 +172,7 @@ def decode_cache(text, layer, batch, seed):
         base = {"conv": conv, "state": state}
 
         def reset():
-            cache.conv_states[i] = base["conv"]
-            cache.recurrent_states[i] = base["state"]
+            cache.layers[i].update(base["conv"], base["state"])
 
         state_bytes = 2 * nbytes([state]) + 2 * nbytes(conv)
     else:
@@ -181,7 +180,7 @@ def decode_cache(text, layer, batch, seed):
                              dtype=torch.bfloat16)
 
         def reset():
-            cache.latents[i] = latent
+            cache.layers[i].latent = latent
             cache.seen_tokens = CONTEXT
 
         state_bytes = nbytes([latent]) + nbytes([latent[:, :1]])
@@ -529,7 +528,7 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke run)",
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
                      "fla": _version("fla-core"), "transformers": _version("transformers")},
-        "fast_paths": {"mxfp4_triton": mxfp4_triton.available(), "kda_fla": kda.available(DEVICE),
+        "fast_paths": {"mxfp4_triton": mxfp4_triton.available(torch.empty(0, device=DEVICE)), "kda_fla": kda.available(DEVICE),
                        "mxfp4_configs": mxfp4_triton.CONFIGS, "upcast": mxfp4_triton.UPCAST,
                        "atomic_combine": mxfp4_triton.ATOMIC_COMBINE,
                        "fla_quick_tune": os.environ.get("KIMI_K3_QUICK_TUNE") == "1"},

@@ -1,87 +1,202 @@
-"""fused_triton's kernels compile for Hopper (sm90) without a GPU: Triton's front end, its passes and ptxas run on
-the host, so type errors that the CPU interpreter lets through (tests/test_triton_interpreter.py) fail here, not
-on the device. Needs `triton` installed (skipped otherwise)."""
+"""Every Triton kernel the model launches compiles for Hopper (sm90) without a GPU, with the argument types and
+constexprs its real call site passes.
+
+The dispatch code runs on CPU tensors at the release's widths (the model's own blocks calling `mxfp4_triton` and
+`fused_triton`, their availability checks answered yes) with each kernel's launch replaced by a recorder. Triton's
+own binder then turns each recorded call into the signature, constexprs and alignment attributes that a launch on
+the GPU would compile (as `JITFunction.run` does), and Triton's front end, passes and ptxas run on the host. So a
+dtype or constexpr mismatch between a call site and a kernel (an int64 pointer where the kernel was only ever
+compiled for int32, a branch returning another type) fails here, in CI, and not first on the device.
+
+Needs `triton` installed (the test extra pins it: the binder and `_pack_args` are Triton internals)."""
 
 import importlib.util
+import os
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import fused_triton  # noqa: E402
+import modeling_kimi_k3  # noqa: E402
+import mxfp4_triton  # noqa: E402
+from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from modeling_kimi_k3 import (KimiK3AttnResProj, KimiK3DeltaAttention, KimiK3LatentMoE, KimiK3RMSNorm,  # noqa: E402
+                              KimiK3StaticCache, attn_res_mix)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SM90 = GPUTarget("cuda", 90, 32)
+MODULES = (mxfp4_triton, fused_triton)
+EXPERTS = 32  # of the release's 320: the kernels' types do not depend on it, the CPU stacks' size does
 
 
-def compile_for_sm90(fn, signature, constexprs):
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90)
-    assert ".entry" in kernel.asm["ptx"]
+def launched_kernels():
+    """(module, name) of every kernel a host function of these modules launches (jit helpers excluded)."""
+    return [(m, n) for m in MODULES for n, v in vars(m).items() if isinstance(v, JITFunction) and n.endswith("_kernel")]
 
 
-@pytest.mark.parametrize("block_t", [4, 16])
-def test_short_conv_kernel_compiles(block_t):
-    pointers = {name: "*bf16" for name in ("x_ptr", "w_ptr", "state_ptr", "y_ptr", "new_state_ptr")}
-    scalars = {name: "i32" for name in ("T", "D", "stride_xb", "stride_xt", "stride_yb", "stride_yt")}
-    consts = {"K": 4, "BLOCK_T": block_t, "BLOCK_D": 256, "BLOCK_S": 4}
-    compile_for_sm90(fused_triton._short_conv_kernel, {**pointers, **scalars, **dict.fromkeys(consts, "constexpr")},
-                     consts)
+class Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` keeps the call instead of launching it."""
+
+    def __init__(self, name, kernel, calls):
+        self.name, self.kernel, self.calls = name, kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.name, self.kernel, args, kwargs))
 
 
-@pytest.mark.parametrize("block_n", [4, 16])
-def test_attn_res_mix_kernel_compiles(block_n):
-    pointers = {name: "*bf16" for name in ("src_ptr", "norm_w_ptr", "proj_w_ptr", "out_w_ptr", "out_ptr")}
-    scalars = {"n": "i32", "rows": "i32", "eps": "fp32", "out_eps": "fp32"}
-    consts = {"H": 7168, "BLOCK_N": block_n, "BLOCK_H": 8192 // block_n}
-    compile_for_sm90(fused_triton._attn_res_mix_kernel, {**pointers, **scalars, **dict.fromkeys(consts, "constexpr")},
-                     consts)
+def sm90_compile(kernel, args, kwargs):
+    """Compile `kernel` for sm90 as a launch with these arguments would: Triton's binder gives the signature
+    (pointer dtypes, i32/i64 by value), the constexprs and the divisibility attributes."""
+    backend = make_backend(SM90)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return signature, triton.compile(source, target=SM90, options=options.__dict__)
 
 
-def test_router_topk_kernel_compiles():
-    consts = {"K": 16, "BLOCK_E": 512, "RENORMALIZE": True}
-    signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "E": "i32",
-                 "scaling": "fp32", **dict.fromkeys(consts, "constexpr")}
-    compile_for_sm90(fused_triton._router_topk_kernel, signature, consts)
+def release_text_config():
+    return KimiK3Config.from_pretrained(ROOT).text_config
 
 
-@pytest.mark.parametrize("norm", [True, False])
-def test_pair_sum_norm_kernel_compiles(norm):
-    consts = {"K": 16, "BLOCK_L": 4096, "NORM": norm}
-    signature = {"pairs_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "L": "i32", "eps": "fp32",
-                 **dict.fromkeys(consts, "constexpr")}
-    compile_for_sm90(fused_triton._pair_sum_norm_kernel, signature, consts)
+def real_moe(text):
+    """One LatentMoE block at the release's widths in bf16 (with EXPERTS experts), weights arbitrary but finite."""
+    with torch.device("meta"):
+        moe = KimiK3LatentMoE(text, EXPERTS, packed=True)
+    moe = moe.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if p.dtype == torch.uint8:
+                p.fill_(127 if name.endswith("weight_scale") else 0x21)
+            else:
+                p.normal_(0, 0.02)
+    return moe.to(torch.bfloat16)
 
 
-def _divisible(fn, signature):
-    """What Triton's launcher would specialize here: pointers and strides known to be multiples of 16."""
-    names = [n for n, kind in signature.items() if kind.startswith("*") or n.startswith("stride")]
-    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+@pytest.fixture(scope="module")
+def recorded():
+    """Every kernel launch of the model's fast paths at decode and prefill, recorded: {key: (name, kernel, args,
+    kwargs)} with one entry per distinct specialization."""
+    calls = []
+    patch = pytest.MonkeyPatch()
+    try:
+        for module, name in launched_kernels():
+            patch.setattr(module, name, Recorder(name, getattr(module, name), calls))
+        patch.setattr(mxfp4_triton, "available", lambda x: True)
+        patch.setattr(modeling_kimi_k3, "fused_available", lambda x: True)
+        text = release_text_config()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            record_moe(text)
+            record_attn_res_mix(text)
+            record_short_convs(text)
+    finally:
+        patch.undo()
+    unique = {}
+    for name, kernel, args, kwargs in calls:
+        key = (name,) + tuple(_describe(a) for a in args) + tuple(sorted((k, _describe(v)) for k, v in kwargs.items()))
+        unique.setdefault(key, (name, kernel, args, kwargs))
+    return unique
 
 
-@pytest.mark.parametrize("kernel", ["w13", "w2"])
-def test_mxfp4_lop3_kernels_compile(kernel):
-    """The "lop3" expert kernels (inline-PTX E2M1 -> bf16 bit trick) at the release's shapes."""
-    import mxfp4_triton
-    tl = triton.language
-    common = {"rows_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32", "top_k": "i32"}
-    consts = {"E": 320, "BM": 8, "BN": 64, "BK": 256, "UPCAST": mxfp4_triton._UPCAST_CODES["lop3"], "F32_DOT": False,
-              "FAST_MATH": True,
-              "ACT": tl.bfloat16, "PAIRS": True}
-    if kernel == "w13":
-        fn = mxfp4_triton._w13_kernel
-        signature = {"z_ptr": "*bf16", "w1_ptr": "*u8", "s1_ptr": "*u8", "w3_ptr": "*u8", "s3_ptr": "*u8",
-                     "h_ptr": "*bf16", "stride_z": "i32", "stride_h": "i32", **common}
-        consts.update(K=3584, N=3072, BETA=4.0, LINEAR_BETA=25.0)
-    else:
-        fn = mxfp4_triton._w2_kernel
-        signature = {"h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "weight_ptr": "*fp32", "y_ptr": "*fp32",
-                     "stride_h": "i32", "stride_y": "i32", **common}
-        consts.update(K=3072, N=3584, ATOMIC=False)
-    signature = {**signature, **dict.fromkeys(consts, "constexpr")}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts,
-                                        attrs=_divisible(fn, signature)), target=SM90, options={"num_warps": 4})
-    assert "0x01C001C0" in compiled.asm["ptx"]
+def _describe(value):
+    return (str(value.dtype), value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else repr(value)
+
+
+def record_moe(text):
+    """Router top-k, the expert kernels (one token: per-pair blocks; a few: aligned decode blocks; many: prefill
+    blocks; each with the lop3 upcast and, for a layer with large scales, tl.dot_scaled) and the pair sum + norm,
+    each reached from the block's own code."""
+    moe = real_moe(text)
+    for tokens in (1, 3, 64):
+        flat = torch.randn(tokens, text.hidden_size).to(torch.bfloat16)
+        moe.gate(flat)  # recorded: the fused top-k (its outputs are not written)
+        with pytest.MonkeyPatch.context() as torch_router:
+            torch_router.setattr(modeling_kimi_k3, "fused_available", lambda x: False)
+            ids, weights = moe.gate(flat)  # real ids for the expert dispatch, from the torch router
+        z = moe.routed_expert_down_proj(flat)
+        for lop3 in (True, False):
+            scale = moe.experts[0].w1.weight_scale
+            scale[0, 0] = 127 if lop3 else 200  # a scale code above LOP3_MAX_SCALE_CODE sends a layer to dot_scaled
+            moe._mxfp4_stack = None
+            pairs = mxfp4_triton.routed_experts(moe, z, ids, weights)
+            assert pairs is not None and pairs.dtype == torch.float32
+            assert mxfp4_triton.stack_experts(moe).lop3_ok is lop3
+        moe.normed_sum(torch.randn(tokens, text.num_experts_per_token, text.routed_expert_hidden_size), z.dtype)
+
+
+def record_attn_res_mix(text):
+    """The depth mix + norm over as few and as many sources as the release's blocks give."""
+    norm, out_norm = KimiK3RMSNorm(text.hidden_size, text.rms_norm_eps), KimiK3RMSNorm(text.hidden_size)
+    proj = KimiK3AttnResProj(text.hidden_size)
+    blocks = -(-text.num_hidden_layers // text.attn_res_block_size)
+    for module in (norm, out_norm, proj):
+        module.to(torch.bfloat16)
+    for sources, tokens in ((2, 1), (blocks + 1, 1), (blocks + 1, 16)):
+        attn_res_mix([torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16) for _ in range(sources)],
+                     norm, proj, out_norm)
+
+
+def record_short_convs(text):
+    """KDA's short convs at prefill (no history), and at decode with a growing and with a static cache's state."""
+    with torch.device("meta"):
+        attn = KimiK3DeltaAttention(text, layer_idx=0)
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        setattr(attn, name, getattr(attn, name).to_empty(device="cpu").to(torch.bfloat16))
+    width = attn.num_heads * attn.head_dim
+
+    def projected(tokens):
+        return tuple(torch.randn(1, tokens, width).to(torch.bfloat16) for _ in range(3))
+
+    _, histories = attn.short_convs(projected(7), None, False)
+    attn.short_convs(projected(1), histories, False)
+    cache = KimiK3StaticCache(text, batch_size=1, max_length=16, cuda_graph=False)
+    layer = cache.layers[0]
+    layer.update(histories, torch.zeros(1, attn.num_heads, attn.head_dim, attn.head_dim))
+    attn.short_convs(projected(1), layer.conv_states, layer.in_place)
+
+
+def test_every_launched_kernel_is_recorded(recorded):
+    assert {name for name, *_ in recorded.values()} == {name for _, name in launched_kernels()}
+
+
+def test_every_expert_specialization_is_recorded(recorded):
+    """Per-pair and aligned blocks at decode, prefill blocks, each upcast the model selects."""
+    seen = {(name, kwargs["PAIRS"], kwargs["BM"], kwargs["UPCAST"]) for name, _, _, kwargs in recorded.values()
+            if name in ("_w13_kernel", "_w2_kernel")}
+    lop3, dot_scaled = mxfp4_triton._UPCAST_CODES["lop3"], mxfp4_triton._UPCAST_CODES["dot_scaled"]
+    decode, prefill = mxfp4_triton.CONFIGS["decode"]["BM"], mxfp4_triton.CONFIGS["prefill"]["BM"]
+    for name in ("_w13_kernel", "_w2_kernel"):
+        for upcast in (lop3, dot_scaled):
+            assert {(name, True, decode, upcast), (name, False, decode, upcast), (name, False, prefill, upcast)} <= seen
+
+
+@pytest.fixture(scope="module")
+def compiled(recorded):
+    return {key: sm90_compile(kernel, args, kwargs) for key, (name, kernel, args, kwargs) in recorded.items()}
+
+
+def test_recorded_launches_compile_for_sm90(recorded, compiled):
+    for key, (name, _, _, kwargs) in recorded.items():
+        signature, kernel = compiled[key]
+        assert ".entry" in kernel.asm["ptx"], name
+        if kwargs.get("UPCAST") == mxfp4_triton._UPCAST_CODES["lop3"]:
+            assert "0x01C001C0" in kernel.asm["ptx"], "the lop3 upcast's inline PTX is missing"
+
+
+def test_the_router_ids_reach_the_per_pair_expert_kernels_as_int64(recorded, compiled):
+    """The single-token path reads the router's ids as its rows: the signature the kernel is compiled for must be
+    the router's int64 (the batch-1 decode regression: _block_rows returned int32 on one branch, int64 on the
+    other)."""
+    per_pair = [compiled[key][0] for key, (name, _, _, kwargs) in recorded.items()
+                if name == "_w13_kernel" and kwargs["PAIRS"]]
+    assert per_pair and all(signature["rows_ptr"] == "*i64" for signature in per_pair)
