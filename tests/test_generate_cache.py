@@ -110,5 +110,7 @@ def test_static_cache_generates_the_growing_caches_tokens(result):
 
 
 def test_nothing_warns_about_the_cache(result):
-    noisy = [m for m in result["messages"] if "deprecat" in m.lower() or "past_key_values" in m or "cache" in m]
-    assert noisy == []
+    """transformers 5.24 warns "`past_key_values`/`cache_params` are deprecated" when a model takes or returns the
+    cache under its old name; other libraries' deprecation warnings (torch's, on some installs) are not ours."""
+    about_cache = [m for m in result["messages"] if "past_key_values" in m or "cache" in m.lower()]
+    assert about_cache == []
