@@ -18,6 +18,43 @@ _LINEAR_ATTN_DEFAULTS = {
     "full_attn_layers": None,
     "kda_layers": None,
 }
+# Integer keys of the text config and the least value each may take.
+_INTEGER_KEYS = {
+    "vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 1, "num_experts": 1,
+    "num_experts_per_token": 1, "num_shared_experts": 0, "moe_intermediate_size": 1, "routed_expert_hidden_size": 1,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "attn_res_block_size": 1, "num_attention_heads": 1,
+    "num_key_value_heads": 1, "q_lora_rank": 1, "kv_lora_rank": 1, "qk_nope_head_dim": 1, "qk_rope_head_dim": 0,
+    "v_head_dim": 1, "max_position_embeddings": 1,
+}
+
+
+# The optional CUDA implementations the model may use instead of its pure-torch reference blocks, each "auto" (where
+# it can run: importable, on a device that supports it), "on" (an error where it cannot) or "off". The model resolves
+# them once per device (`modeling_kimi_k3.resolve_fast_paths`) and logs the result in one line.
+FAST_PATH_DEFAULTS = {
+    "experts": "auto",  # Triton kernels that read the MXFP4 experts' bytes (mxfp4_triton.py)
+    "kda": "auto",  # fla-core's KDA decode kernel
+    "kda_prefill": "off",  # fla-core's chunked KDA prefill kernel (its greedy tokens stray from the reference's)
+    "fused": "auto",  # Triton kernels for the depth mixes, short convs, router top-k and pair sum + norm
+    "side_streams": "auto",  # a second CUDA stream for work of a block the main path does not wait on
+    "cuda_graphs": "auto",  # one-token steps with a static cache replayed from a CUDA graph
+}
+
+
+def check_fast_paths(fast_paths):
+    """`fast_paths` with every path named and each choice spelled "auto" / "on" / "off" (True and False read as
+    "on" and "off"); an unknown path or choice is an error naming it."""
+    fast_paths = dict(fast_paths or {})
+    unknown = sorted(set(fast_paths) - set(FAST_PATH_DEFAULTS))
+    _check(not unknown, f"fast_paths has unknown path(s) {unknown}; the paths are {list(FAST_PATH_DEFAULTS)}")
+    spelled = {True: "on", False: "off"}
+    out = {}
+    for path, default in FAST_PATH_DEFAULTS.items():
+        choice = fast_paths.get(path, default)
+        choice = spelled.get(choice, choice) if isinstance(choice, bool) else choice
+        _check(choice in ("auto", "on", "off"), f"fast_paths[{path!r}] is {choice!r}, not 'auto', 'on' or 'off'")
+        out[path] = choice
+    return out
 
 
 def _check(condition, message):
@@ -31,6 +68,8 @@ class KimiK3TextConfig(PretrainedConfig):
     `linear_attn_config.full_attn_layers` / `kda_layers` are **1-based** as in the release; `layer_types` is the
     derived 0-based list ("kda" or "mla"). `num_experts_per_layer` (ours, written by non-uniform prunes) gives the
     routed-expert count of each layer, 0 for dense layers; without it every MoE layer has `num_experts`.
+    `num_experts_per_tok`, the name most Hugging Face MoE configs use, is read as an alias of `num_experts_per_token`
+    (both with different values is an error); only `num_experts_per_token` is written back.
     """
 
     model_type = "kimi_k3_text"
@@ -46,7 +85,7 @@ class KimiK3TextConfig(PretrainedConfig):
         activation_situ_beta=4.0,
         activation_situ_linear_beta=25.0,
         num_experts=896,
-        num_experts_per_token=16,
+        num_experts_per_token=None,
         num_experts_per_layer=None,
         num_shared_experts=2,
         moe_intermediate_size=3072,
@@ -91,7 +130,15 @@ class KimiK3TextConfig(PretrainedConfig):
         self.activation_situ_beta = activation_situ_beta
         self.activation_situ_linear_beta = activation_situ_linear_beta
         self.num_experts = num_experts
-        self.num_experts_per_token = num_experts_per_token
+        alias = kwargs.pop("num_experts_per_tok", None)
+        if alias is not None:
+            _check(
+                num_experts_per_token is None or num_experts_per_token == alias,
+                f"num_experts_per_tok = {alias!r} and num_experts_per_token = {num_experts_per_token!r} disagree "
+                "(num_experts_per_tok is read as an alias of num_experts_per_token)",
+            )
+            num_experts_per_token = alias
+        self.num_experts_per_token = 16 if num_experts_per_token is None else num_experts_per_token
         self.num_experts_per_layer = list(num_experts_per_layer) if num_experts_per_layer is not None else None
         self.num_shared_experts = num_shared_experts
         self.moe_intermediate_size = moe_intermediate_size
@@ -129,8 +176,23 @@ class KimiK3TextConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+        self._check_integers()
         self.layer_types = self._derive_layer_types()
         self._validate()
+
+    def _check_integers(self):
+        """Sizes and counts are JSON integers (not strings, floats or booleans) in range, before anything uses them."""
+        for name, low in _INTEGER_KEYS.items():
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                f"{name} must be an integer >= {low}, got {value!r}",
+            )
+        for i, count in enumerate(self.num_experts_per_layer or []):
+            _check(
+                isinstance(count, int) and not isinstance(count, bool) and count >= 0,
+                f"num_experts_per_layer[{i}] must be an integer >= 0, got {count!r}",
+            )
 
     def _derive_layer_types(self):
         """0-based "kda"/"mla" per layer from the 1-based release lists (MLA only, if neither list is given)."""
@@ -188,7 +250,6 @@ class KimiK3TextConfig(PretrainedConfig):
         _check(self.mla_use_nope, "mla_use_nope must be true: Kimi K3 MLA has no rotary embedding")
         _check(self.num_nextn_predict_layers == 0, "MTP layers (num_nextn_predict_layers > 0) are not supported")
         _check(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads must equal num_attention_heads")
-        _check(self.attn_res_block_size >= 1, "attn_res_block_size must be >= 1")
         _check(1 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace must be in 1..layers")
         _check(lac["short_conv_kernel_size"] >= 1, "linear_attn_config.short_conv_kernel_size must be >= 1")
         _check(lac["use_full_rank_gate"], "linear_attn_config.use_full_rank_gate must be true (K3 KDA)")
@@ -219,7 +280,6 @@ class KimiK3TextConfig(PretrainedConfig):
                     f"num_experts_per_token = {self.num_experts_per_token} is larger than the {experts} experts of "
                     f"layer {i}",
                 )
-        _check(self.num_experts_per_token >= 1, "num_experts_per_token must be >= 1")
 
 
 class KimiK3Config(PretrainedConfig):
@@ -229,6 +289,8 @@ class KimiK3Config(PretrainedConfig):
     name by `to_dict`: the routed experts stay packed in our own modules, and hiding the block keeps transformers'
     compressed-tensors loader (which only understands `nn.Linear` and would decompress to bf16) out of the way.
     The release allows the block at the top level or inside `text_config`; both are read.
+    `fast_paths` (ours) chooses the optional CUDA implementations (`FAST_PATH_DEFAULTS`); as a `from_pretrained`
+    keyword it is a partial dict, e.g. `fast_paths={"experts": "off"}`.
     """
 
     model_type = "kimi_k3"
@@ -243,8 +305,10 @@ class KimiK3Config(PretrainedConfig):
         eos_token_id=163586,
         pad_token_id=163839,
         tie_word_embeddings=False,
+        fast_paths=None,
         **kwargs,
     ):
+        self.fast_paths = check_fast_paths(fast_paths)
         if isinstance(text_config, KimiK3TextConfig):
             text_config = text_config.to_dict()
         text_config = dict(text_config or {})

@@ -557,6 +557,12 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         clean_up_tokenization_spaces: bool = False,
         **kwargs,
     ):
+        if vocab_file is None or not Path(vocab_file).is_file():
+            folder = kwargs.get("name_or_path") or (Path(vocab_file).parent if vocab_file else "the tokenizer folder")
+            raise ValueError(  # not an OSError: transformers replaces those by a message that names no file
+                f"{VOCAB_FILE} is missing in {folder}: the tokenizer needs the BPE rank file of the Kimi K3 release; "
+                f"copy `{VOCAB_FILE}` from the moonshotai/Kimi-K3 repository on the Hugging Face Hub into that folder"
+            )
         self.vocab_file = vocab_file
         ranks = load_rank_file(vocab_file)
         self.num_ranks = len(ranks)
