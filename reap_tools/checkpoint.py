@@ -146,13 +146,17 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object from `path`; CheckpointError naming the file when it is missing, unreadable or not an object."""
     try:
         with open(path) as f:
-            return json.load(f)
+            obj = json.load(f)
     except FileNotFoundError as e:
         raise CheckpointError(f"{path.name}: missing in {path.parent}") from e
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path.name}: cannot parse: {e}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse: {e}") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def write_json(path: Path, obj) -> None:
@@ -174,8 +178,14 @@ def read_index(ckpt_dir: str | Path) -> dict | None:
     if not path.exists():
         return None
     index = read_json(path)
-    if not isinstance(index.get("weight_map"), dict):
-        raise CheckpointError(f"{INDEX_NAME}: no weight_map object")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{path}: no weight_map object")
+    bad = [name for name, file in weight_map.items()
+           if not isinstance(file, str) or "/" in file or file.startswith(".")]
+    if bad:
+        raise CheckpointError(f"{path}: weight_map entry {bad[0]!r} -> {weight_map[bad[0]]!r} is not a shard file "
+                              f"name in the folder")
     return index
 
 
@@ -287,7 +297,7 @@ def sha256_ranges(ranges: list[tuple[Path, int, int]]) -> str:
             while pos < end:
                 chunk = os.pread(fd, min(CHUNK, end - pos), pos)
                 if not chunk:
-                    raise CheckpointError(f"{path.name}: unexpected end of file at byte {pos}")
+                    raise CheckpointError(f"{path}: unexpected end of file at byte {pos}")
                 h.update(chunk)
                 pos += len(chunk)
     finally:

@@ -7,8 +7,9 @@ Kept experts keep ascending original order and are renumbered 0..N-1 per layer; 
 `gate.weight` rows and `gate.e_score_correction_bias` entries are sliced with the same ids, every
 other tensor is copied unchanged. The output gets new shards + model.safetensors.index.json, a
 config.json with `num_experts` (the max count) and, for non-uniform selections,
-`num_experts_per_layer` (0 for dense layers), every other file of the source (code, tokenizer, ...)
-and the selection itself as reap_selection.json.
+`num_experts_per_layer` (0 for dense layers), the source's other release files (code, tokenizer, README,
+licence: the allow-list in release_files.py; dotfiles, folders and links out of the folder are never copied,
+and what was left out is listed on stderr) and the selection itself as reap_selection.json.
 
 Why raw byte ranges: bit-exactness by construction, kernel-side copies (copy_file_range) at disk
 speed, and a peak memory of headers only — not one tensor, not one shard. The output is written to
@@ -18,7 +19,6 @@ The selection is validated against the checkpoint before anything is written.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import shutil
@@ -30,15 +30,19 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .checkpoint import (
-    CONFIG_NAME, INDEX_NAME, PARTIAL_RE, SELECTION_NAME, CheckpointError, MoeLayer, TensorInfo,
+    CONFIG_NAME, INDEX_NAME, SELECTION_NAME, CheckpointError, MoeLayer, TensorInfo,
     atomic_output_dir, copy_range, encode_header, experts_per_layer, human, load_tensors,
     parse_size, read_config, read_json, scan_moe, shard_names, text_config, write_json,
 )
+from .cli import ArgumentParser, fail
+from .model_config import model_text_config
+from .release_files import release_files
 
 DEFAULT_MAX_SHARD = "5GB"
 # Seconds to sleep after each tensor; only for tests that interrupt a prune mid-way.
 DELAY_ENV = "REAP_PRUNE_TEST_DELAY_S"
-SKIP_NAMES = {".git", ".cache", "__pycache__", INDEX_NAME, CONFIG_NAME, SELECTION_NAME}
+# Files prune writes itself rather than copying from the source.
+WRITTEN_NAMES = {INDEX_NAME, CONFIG_NAME, SELECTION_NAME}
 
 
 class SelectionError(ValueError):
@@ -66,6 +70,7 @@ class PruneResult:
     num_tensors: int
     total_size: int
     experts_per_layer: dict[int, int]
+    skipped: list[tuple[str, str]]  # (source file name, why it was not copied)
 
 
 def load_selection(selection: str | Path | dict) -> dict:
@@ -80,11 +85,11 @@ def validate_selection(selection: dict, config: dict, moe: dict[int, MoeLayer]) 
 
     Raises SelectionError naming the layer/expert for: another model's selection, a wrong layer
     set, ids out of range or repeated, fewer kept than top-k. Raises CheckpointError when the
-    checkpoint's own tensors disagree with its config.
+    checkpoint's own tensors disagree with its config, or the model would refuse that config.
     """
+    top_k = model_text_config(config).num_experts_per_token
     tc = text_config(config)
     counts = experts_per_layer(tc)
-    top_k = int(tc["num_experts_per_token"])
     layers = selection.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise SelectionError("selection has no 'layers' object")
@@ -211,17 +216,21 @@ def _write_shard(path: Path, tensors: list[OutTensor], src_fds: dict[Path, int],
         os.close(fd)
 
 
-def _copy_other_files(src: Path, dst: Path, shard_files: set[str]) -> None:
-    """Code, tokenizer and every other non-weight file; unindexed .safetensors files are not copied."""
-    for p in sorted(src.iterdir()):
-        if p.name in SKIP_NAMES or p.name in shard_files or PARTIAL_RE.match(p.name):
+def _copy_other_files(src: Path, dst: Path) -> list[tuple[str, str]]:
+    """Copy the source's release files (release_files) that prune does not write itself; return what was left out.
+
+    Shards, index, config and selection are written fresh; a .safetensors file the index does not name is left out.
+    """
+    taken, skipped = release_files(src)
+    shard_files = set(shard_names(src))
+    for p in taken:
+        if p.name in shard_files or p.name in WRITTEN_NAMES:
             continue
         if p.suffix == ".safetensors":
-            print(f"warning: {p.name} is not in the source index; not copied", file=sys.stderr)
-        elif p.is_dir():
-            shutil.copytree(p, dst / p.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
+            skipped.append((p.name, "not in the source index"))
         else:
             shutil.copy2(p, dst / p.name)
+    return skipped
 
 
 def prune_checkpoint(src_dir: str | Path, selection: str | Path | dict, dst_dir: str | Path, *,
@@ -236,7 +245,10 @@ def prune_checkpoint(src_dir: str | Path, selection: str | Path | dict, dst_dir:
     moe = scan_moe(tensors)
     kept = validate_selection(selection, config, moe)
     selection["layers"] = {str(i): ids for i, ids in sorted(kept.items())}
-    shards = split_shards(plan_output(tensors, moe, kept), parse_size(max_shard_size))
+    max_shard_size = parse_size(max_shard_size)
+    if max_shard_size <= 0:
+        raise ValueError(f"max shard size must be positive, got {max_shard_size} bytes")
+    shards = split_shards(plan_output(tensors, moe, kept), max_shard_size)
     del tensors, moe  # the plan holds what the copy needs; free the full tensor list for the writes
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     total = sum(t.nbytes for shard in shards for t in shard)
@@ -253,15 +265,16 @@ def prune_checkpoint(src_dir: str | Path, selection: str | Path | dict, dst_dir:
                                                                     for t in shard))})
             write_json(tmp / CONFIG_NAME, pruned_config(config, kept))
             write_json(tmp / SELECTION_NAME, selection)
-            _copy_other_files(src, tmp, set(src_shards))
+            skipped = _copy_other_files(src, tmp)
     finally:
         for fd in src_fds.values():
             os.close(fd)
-    return PruneResult(dst, names, sum(len(s) for s in shards), total, {i: len(ids) for i, ids in kept.items()})
+    return PruneResult(dst, names, sum(len(s) for s in shards), total, {i: len(ids) for i, ids in kept.items()},
+                       skipped)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reap_tools prune", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m reap_tools prune", description=__doc__.split("\n\n")[0])
     ap.add_argument("src", type=Path, help="source checkpoint dir")
     ap.add_argument("dst", type=Path, help="output dir (must not exist)")
     ap.add_argument("--selection", type=Path, required=True, help="reap_selection.json from `plan`")
@@ -271,12 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         r = prune_checkpoint(args.src, args.selection, args.dst, max_shard_size=args.max_shard_size,
                              progress=not args.no_progress)
-    except (CheckpointError, SelectionError, FileExistsError, ValueError) as e:
-        print(f"prune: error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, OSError) as e:
+        return fail("prune", e)
     except KeyboardInterrupt:
         print(f"prune: interrupted; the partial output was removed and {args.dst} not created", file=sys.stderr)
         return 130
+    for name, why in r.skipped:
+        print(f"prune: not copied: {name} ({why})", file=sys.stderr)
     counts = sorted(set(r.experts_per_layer.values()))
     print(f"pruned {args.src} -> {r.dst}: {len(r.experts_per_layer)} MoE layers keep "
           f"{counts[0] if len(counts) == 1 else f'{counts[0]}..{counts[-1]}'} experts; "

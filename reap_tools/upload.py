@@ -6,22 +6,24 @@
 `verify` runs first (with sha256 checks against --source when given); a folder that fails it, a
 half-written `.<name>.partial-<pid>` folder or one without config.json / weights is refused, so
 only complete checkpoints reach the Hub. Then `create_repo(exist_ok=True)` and `upload_folder`
-(huggingface_hub; the token comes from `huggingface-cli login` or HF_TOKEN). --dry-run lists the
-files that would go, with sizes, and touches no network.
+(huggingface_hub; the token comes from `huggingface-cli login` or HF_TOKEN). Only the release files go
+(the allow-list in release_files.py: weights, index, configs, tokenizer, chat template, top-level remote
+code, README, licence, reap_selection.json); dotfiles such as `.env`, folders and symlinks out of the
+folder never do, and what is left out is listed on stderr. --dry-run lists the files that would go, with
+sizes, and touches no network.
 """
 
 from __future__ import annotations
 
-import argparse
-import fnmatch
+import glob
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import CONFIG_NAME, PARTIAL_RE, human
+from .checkpoint import CONFIG_NAME, INDEX_NAME, PARTIAL_RE, human, shard_names
+from .cli import ArgumentParser, fail
+from .release_files import release_files
 from .verify import verify_checkpoint
-
-IGNORE_PATTERNS = [".git/*", ".cache/*", "*/__pycache__/*", "__pycache__/*", "*.pyc", ".DS_Store"]
 
 
 class UploadRefused(RuntimeError):
@@ -34,20 +36,17 @@ class UploadResult:
     files: list[tuple[str, int]]  # (path relative to the folder, bytes)
     dry_run: bool
     url: str | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, why it is not uploaded)
 
     @property
     def total_size(self) -> int:
         return sum(size for _, size in self.files)
 
 
-def upload_files(folder: Path) -> list[tuple[str, int]]:
-    """Files upload_folder would send (IGNORE_PATTERNS applied), sorted, with sizes."""
-    out = []
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder).as_posix()
-        if p.is_file() and not any(fnmatch.fnmatch(rel, pat) for pat in IGNORE_PATTERNS):
-            out.append((rel, p.stat().st_size))
-    return out
+def upload_files(folder: Path) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+    """(release files with sizes, sorted; [(name, why it is left out)]): exactly what upload sends."""
+    taken, skipped = release_files(folder)
+    return [(p.name, p.stat().st_size) for p in taken], skipped
 
 
 def upload_checkpoint(folder: str | Path, repo_id: str, *, source: str | Path | None = None, private: bool = False,
@@ -65,9 +64,15 @@ def upload_checkpoint(folder: str | Path, repo_id: str, *, source: str | Path | 
     result = verify_checkpoint(folder, source=source, progress=progress)
     if not result.ok:
         raise UploadRefused(f"verify failed, not uploading: {result.summary()}")
-    files = upload_files(folder)
+    files, skipped = upload_files(folder)
+    needed = {CONFIG_NAME, *shard_names(folder)} | ({INDEX_NAME} if (folder / INDEX_NAME).exists() else set())
+    left_out = sorted(needed - {name for name, _ in files})
+    if left_out:
+        reasons = dict(skipped)
+        raise UploadRefused("the checkpoint needs files that are not uploaded: "
+                            + ", ".join(f"{name} ({reasons.get(name, 'not a release file')})" for name in left_out))
     if dry_run:
-        return UploadResult(repo_id, files, dry_run=True)
+        return UploadResult(repo_id, files, dry_run=True, skipped=skipped)
     if api is None:
         from huggingface_hub import HfApi
         api = HfApi()
@@ -76,12 +81,12 @@ def upload_checkpoint(folder: str | Path, repo_id: str, *, source: str | Path | 
         api.create_branch(repo_id=repo_id, repo_type="model", branch=revision, exist_ok=True)
     commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", revision=revision,
                                commit_message=commit_message or f"Upload {folder.name} ({len(files)} files, verified)",
-                               ignore_patterns=IGNORE_PATTERNS)
-    return UploadResult(repo_id, files, dry_run=False, url=str(getattr(commit, "commit_url", commit)))
+                               allow_patterns=[glob.escape(name) for name, _ in files])
+    return UploadResult(repo_id, files, dry_run=False, url=str(getattr(commit, "commit_url", commit)), skipped=skipped)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reap_tools upload", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m reap_tools upload", description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help="checkpoint folder (a prune output)")
     ap.add_argument("repo_id", help="Hub model repo, e.g. org/KIMI-K3-CODER-REAP-320-MXFP4")
     ap.add_argument("--source", type=Path, help="source checkpoint: also verify sha256 of every tensor against it")
@@ -98,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     except UploadRefused as e:
         print(f"upload: refused: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        return fail("upload", e)
+    for name, why in r.skipped:
+        print(f"upload: not uploaded: {name} ({why})", file=sys.stderr)
     if r.dry_run:
-        width = max(len(name) for name, _ in r.files)
+        width = max((len(name) for name, _ in r.files), default=0)
         for name, size in r.files:
             print(f"{name:<{width}}  {human(size):>10}")
         print(f"dry run: {len(r.files)} files, {human(r.total_size)} would go to {r.repo_id}")

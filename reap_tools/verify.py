@@ -5,11 +5,12 @@
 Structure: every shard's header parses, its tensors tile the data section exactly (no gap, no
 overlap, byte counts = dtype x shape) and the file size is 8 + header_len + data end; the index's
 total_size is the sum of tensor bytes, every weight_map file exists and holds the tensors the map
-says, and no shard tensor is missing from the map. Config: every layer 0..num_hidden_layers-1 has
-tensors; dense layers have no block_sparse_moe; each MoE layer has gate.weight [E, H],
-gate.e_score_correction_bias [E] and exactly experts 0..E-1 with w1/w3 [I, L] and w2 [L, I] as
-(weight_packed U8 [out, in/2], weight_scale U8 [out, in/group]) under MXFP4, else (weight [out, in]),
-E per layer from num_experts / num_experts_per_layer.
+says, and no shard tensor is missing from the map. Config: the model's own checks (KimiK3Config)
+accept config.json; every layer 0..num_hidden_layers-1 has tensors; dense layers have no
+block_sparse_moe; each MoE layer has gate.weight [E, H], gate.e_score_correction_bias [E] and
+exactly experts 0..E-1 with w1/w3 [I, L] and w2 [L, I] as (weight_packed U8 [out, in/2],
+weight_scale U8 [out, in/group]) under MXFP4, else (weight [out, in]), E per layer from
+num_experts / num_experts_per_layer.
 
 Source (optional): with the selection (the embedded reap_selection.json unless given), the
 sha256 of every kept expert tensor equals the source expert's, gate rows / bias equal the sliced
@@ -21,7 +22,6 @@ tensor and file) on stderr. `verify_checkpoint` returns the same as a VerifyResu
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -36,6 +36,8 @@ from .checkpoint import (
     experts_per_layer, human, load_tensors, quantization_config, read_config, read_header,
     read_index, scan_moe, sha256_ranges, text_config,
 )
+from .cli import ArgumentParser, describe, int_at_least
+from .model_config import model_text_config
 from .prune import SelectionError, load_selection, validate_selection
 
 PRINT_ERRORS = 50
@@ -164,6 +166,10 @@ def check_config(path: Path, tensors: dict[str, TensorInfo], errors: list[str], 
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
         errors.append(f"{CONFIG_NAME}: {e!r}")
         return None
+    try:
+        model_text_config(config)
+    except CheckpointError as e:
+        errors.append(str(e))
     if tc.get("num_experts_per_layer") is not None and counts and int(tc["num_experts"]) != max(counts.values()):
         errors.append(f"{CONFIG_NAME}: num_experts is {tc['num_experts']}, the largest of num_experts_per_layer "
                       f"is {max(counts.values())}")
@@ -258,9 +264,14 @@ def check_against_source(path: Path, tensors: dict[str, TensorInfo], config: dic
     with tqdm(total=2 * sum(t.nbytes for t, _, _ in jobs), unit="B", unit_scale=True, desc="sha256",
               disable=not progress) as bar:
         def compare(job):
+            """None when the tensor hashes equal to its source, else the error (a short or unreadable file included)."""
             t, ranges, s = job
-            a, b = sha256_ranges([(t.file, t.start, t.end)]), sha256_ranges(ranges)
-            bar.update(2 * t.nbytes)
+            try:
+                a, b = sha256_ranges([(t.file, t.start, t.end)]), sha256_ranges(ranges)
+            except (CheckpointError, OSError) as e:
+                return f"tensor {t.name}: cannot compare with source {s.name}: {describe(e)}"
+            finally:
+                bar.update(2 * t.nbytes)
             return None if a == b else f"tensor {t.name} ({t.file.name}): sha256 differs from source {s.name} ({s.file.name})"
         with ThreadPoolExecutor(max_workers=workers) as pool:
             mismatches = [m for m in pool.map(compare, jobs) if m]
@@ -290,16 +301,17 @@ def verify_checkpoint(path: str | Path, *, source: str | Path | None = None, sel
             result.errors.append(f"selection: {e}")
     if source is not None and config is not None:
         check_against_source(result.path, tensors, config, Path(source), selection,
-                             workers or min(8, os.cpu_count() or 1), progress, result.errors, result.stats)
+                             min(8, os.cpu_count() or 1) if workers is None else workers, progress, result.errors,
+                             result.stats)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reap_tools verify", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m reap_tools verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("path", type=Path, help="checkpoint dir to verify")
     ap.add_argument("--source", type=Path, help="source checkpoint the dir was pruned from (enables sha256 checks)")
     ap.add_argument("--selection", type=Path, help=f"selection to check against (default: the embedded {SELECTION_NAME})")
-    ap.add_argument("--workers", type=int, help="hashing threads (default min(8, cpus))")
+    ap.add_argument("--workers", type=int_at_least(1), help="hashing threads (default min(8, cpus))")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     r = verify_checkpoint(args.path, source=args.source, selection=args.selection, workers=args.workers,

@@ -73,7 +73,8 @@ def make_checkpoint(path: Path, *, layers: int = 4, experts: int = 8, top_k: int
               "text_config": {"model_type": "kimi_linear", "num_hidden_layers": layers, "hidden_size": hidden,
                               "num_experts": experts, "num_experts_per_token": top_k, "first_k_dense_replace": 1,
                               "moe_layer_freq": 1, "moe_intermediate_size": inter,
-                              "routed_expert_hidden_size": latent, "vocab_size": 40}}
+                              "routed_expert_hidden_size": latent, "vocab_size": 40,
+                              "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}}
     if mxfp4:
         config["quantization_config"] = {
             "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
@@ -118,7 +119,8 @@ def test_prune_uniform_then_verify(src, tmp_path):
     config = json.loads((dst / "config.json").read_text())
     assert config["text_config"]["num_experts"] == 3 and "num_experts_per_layer" not in config["text_config"]
     assert json.loads((dst / SELECTION_NAME).read_text())["layers"]["2"] == [1, 2, 7]
-    assert (dst / "modeling_kimi_k3.py").exists() and (dst / "extra" / "notes.txt").read_text() == "hello"
+    assert (dst / "modeling_kimi_k3.py").exists() and (dst / "tokenizer_config.json").exists()
+    assert not (dst / "extra").exists()  # folders are not release files
     assert not [p for p in tmp_path.iterdir() if PARTIAL_RE.match(p.name)]
 
 

@@ -43,8 +43,9 @@ def test_dry_run_lists_files_with_sizes(pruned, capsys):
     listed = {line.split()[0] for line in out[:-1]}
     shards = {p.name for p in dst.glob("model-*.safetensors")}
     assert len(shards) >= 3
-    assert {"config.json", "model.safetensors.index.json", "reap_selection.json", "extra/notes.txt"} | shards <= listed
-    assert not any("__pycache__" in name for name in listed)
+    assert {"config.json", "model.safetensors.index.json", "reap_selection.json", "modeling_kimi_k3.py",
+            "tokenizer_config.json"} | shards == listed
+    assert not any("__pycache__" in name or "extra" in name for name in listed)
     assert out[-1].startswith("dry run: ") and "org/model" in out[-1]
     r = upload_checkpoint(dst, "org/model", dry_run=True, progress=False)
     sizes = dict(r.files)
@@ -92,7 +93,7 @@ def test_upload_calls_hub(pruned):
     api.create_branch.assert_called_once_with(repo_id="org/model", repo_type="model", branch="v1", exist_ok=True)
     kwargs = api.upload_folder.call_args.kwargs
     assert kwargs["folder_path"] == str(dst) and kwargs["repo_id"] == "org/model" and kwargs["revision"] == "v1"
-    assert "*.pyc" in kwargs["ignore_patterns"]
+    assert sorted(kwargs["allow_patterns"]) == sorted(name for name, _ in r.files)
     assert r.url.endswith("/commit/abc") and not r.dry_run
 
 
