@@ -12,8 +12,8 @@ on a few MB of text.
 
 from __future__ import annotations
 
-import argparse
 import heapq
+import os
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -22,6 +22,8 @@ from pathlib import Path
 import regex
 
 from tokenization_kimi_k3 import PAT_STR, write_rank_file
+
+from .cli import ArgumentParser, fail, int_at_least
 
 PIECE_RE = regex.compile(PAT_STR, flags=regex.V1)
 DEFAULT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -116,20 +118,30 @@ def read_corpus(paths: Iterable[str | Path], suffixes: Iterable[str], max_bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reap_tools bpe", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m reap_tools bpe", description=__doc__.split("\n\n")[0])
     parser.add_argument("corpus", nargs="+", help="text files, or directories to read files from")
-    parser.add_argument("--vocab-size", type=int, required=True, help="ranks to write, 256 single bytes included")
+    parser.add_argument("--vocab-size", type=int_at_least(256), required=True,
+                        help="ranks to write, 256 single bytes included")
     parser.add_argument("--out", required=True, help="the tiktoken.model file to write")
-    parser.add_argument("--max-bytes", type=int, default=32 << 20, help="read at most this much text (default 32 MiB)")
+    parser.add_argument("--max-bytes", type=int_at_least(1), default=32 << 20,
+                        help="read at most this much text (default 32 MiB)")
     parser.add_argument(
         "--suffix", action="append", help=f"file suffixes read from directories (default {' '.join(DEFAULT_SUFFIXES)})"
     )
     args = parser.parse_args(argv)
-    texts = read_corpus(args.corpus, args.suffix or DEFAULT_SUFFIXES, args.max_bytes)
-    if not texts:
-        parser.error("the corpus has no UTF-8 text")
-    ranks = train(texts, args.vocab_size)
-    write_rank_file(ranks, args.out)
+    out = Path(args.out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        texts = read_corpus(args.corpus, args.suffix or DEFAULT_SUFFIXES, args.max_bytes)
+        if not texts:
+            parser.error("the corpus has no UTF-8 text")
+        ranks = train(texts, args.vocab_size)
+        write_rank_file(ranks, tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        return fail("bpe", e)
+    finally:
+        tmp.unlink(missing_ok=True)
     size = sum(len(text.encode("utf-8")) for text in texts)
     print(f"wrote {len(ranks)} ranks to {args.out} from {len(texts)} texts ({size} bytes)")
     if len(ranks) < args.vocab_size:

@@ -4,9 +4,10 @@ Without `--model` it runs the small trained demo that ships in `demo/`. With `--
 message rendered with the K3 chat template, and the reply is split into reasoning and content.
 """
 
-import argparse
 import os
 import sys
+
+from reap_tools.cli import ArgumentParser, fail, int_at_least
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(ROOT, "demo", "reap20")
@@ -22,9 +23,20 @@ def load_pipeline(model_dir, device_map=None):
     return pipeline("text-generation", model=model_dir, trust_remote_code=True, **kwargs)
 
 
+def check_length(pipe, prompt_tokens, max_new_tokens):
+    """A warning on stderr when prompt + new tokens pass the model's max_position_embeddings: the model runs
+    there, but past the positions it was trained on, so the output is not to be trusted."""
+    limit = pipe.model.config.get_text_config().max_position_embeddings
+    if prompt_tokens + max_new_tokens > limit:
+        print(f"generate: warning: the prompt is {prompt_tokens} tokens; with --max-new-tokens {max_new_tokens} that "
+              f"passes the model's max_position_embeddings = {limit}; output past it is untrained territory",
+              file=sys.stderr)
+
+
 def complete(pipe, prompt, max_new_tokens=64, sample=False):
     """Plain completion: the prompt followed by the generated continuation."""
     options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)
+    check_length(pipe, len(pipe.tokenizer(prompt)["input_ids"]), max_new_tokens)
     out = pipe(prompt, max_new_tokens=max_new_tokens, return_full_text=False, **options)
     return prompt + out[0]["generated_text"]
 
@@ -35,26 +47,35 @@ def chat(pipe, prompt, max_new_tokens=256, sample=True, thinking=True):
 
     options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)
     messages = [{"role": "user", "content": prompt}]
+    ids = pipe.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, thinking=thinking)
+    check_length(pipe, len(ids["input_ids"] if hasattr(ids, "keys") else ids), max_new_tokens)
     out = pipe(messages, max_new_tokens=max_new_tokens, tokenizer_encode_kwargs={"thinking": thinking}, **options)
     reply = out[0]["generated_text"][-1]["content"]
     return parse(reply, thinking=thinking)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m reap_tools generate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m reap_tools generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped demo)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (completion) or 256 (chat)")
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
+                        help="default 64 (completion) or 256 (chat)")
     parser.add_argument("--chat", action="store_true", help="use the chat template; print reasoning and content")
     parser.add_argument("--no-thinking", action="store_true", help="with --chat: answer without the think channel")
     parser.add_argument("--sample", action="store_true", help="sample (temperature 1.0, top_p 0.95); default greedy")
     parser.add_argument("--device-map", default=None, help='e.g. "auto" to spread a large model over GPUs')
     args = parser.parse_args(argv)
-    pipe = load_pipeline(args.model, args.device_map)
+    if args.no_thinking and not args.chat:
+        parser.error("--no-thinking only applies with --chat")
+    try:
+        pipe = load_pipeline(args.model, args.device_map)
+    except (OSError, ValueError) as e:
+        return fail("generate", e)
     if not args.chat:
-        print(complete(pipe, args.prompt, args.max_new_tokens or 64, args.sample))
+        print(complete(pipe, args.prompt, 64 if args.max_new_tokens is None else args.max_new_tokens, args.sample))
         return 0
-    reply = chat(pipe, args.prompt, args.max_new_tokens or 256, args.sample, thinking=not args.no_thinking)
+    max_new_tokens = 256 if args.max_new_tokens is None else args.max_new_tokens
+    reply = chat(pipe, args.prompt, max_new_tokens, args.sample, thinking=not args.no_thinking)
     print("--- reasoning ---")
     print(reply.get("reasoning_content") or "")
     print("--- content ---")

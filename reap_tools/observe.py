@@ -59,7 +59,6 @@ result is identical to one uninterrupted run. `--stop-after S` stops after S seq
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -72,6 +71,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from .cli import ArgumentParser, check_writable, fail, int_at_least
 
 REPORT_FORMAT = "reap-saliency/1"
 FIELDS = ("count", "reap_sum", "ean_sum", "max_norm")
@@ -553,6 +554,8 @@ def pack_sequences(documents: list[np.ndarray], seq_len: int, *, pack: bool = Tr
     """Sequences of at most seq_len ids: packed from the joined stream (default) or one per document."""
     if seq_len < 1:
         raise ObserveError("--seq-len must be >= 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise ObserveError(f"--max-tokens must be >= 1, got {max_tokens}")
     separators = separators or [False] * len(documents)
     pieces = []
     for doc, sep in zip(documents, separators):
@@ -599,7 +602,12 @@ def load_calibration(files, tokenizer=None, *, vocab_size: int | None = None, se
     """(sequences, provenance of each file) for the given calibration files."""
     docs, seps, provenance = [], [], []
     for path in files:
-        file_docs, fmt = read_documents(path, tokenizer)
+        try:
+            file_docs, fmt = read_documents(path, tokenizer)
+        except ObserveError:
+            raise
+        except ValueError as e:  # not UTF-8, not JSON, not an .npy array
+            raise ObserveError(f"{path}: cannot read: {e}") from None
         for d in file_docs:
             if vocab_size is not None and len(d) and (d.min() < 0 or d.max() >= vocab_size):
                 raise ObserveError(f"{path}: token id {int(d.min() if d.min() < 0 else d.max())} is outside the "
@@ -665,22 +673,23 @@ def _needs_tokenizer(files) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reap_tools observe", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m reap_tools observe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="model dir (or hub id) to observe")
     ap.add_argument("--revision", help="hub revision of --model")
     ap.add_argument("--data", nargs="+", required=True, help="calibration files: .txt, .jsonl, .npy, .json")
     ap.add_argument("--out", type=Path, required=True, help="saliency report JSON to write")
     ap.add_argument("--tokenizer", help="tokenizer dir for text/JSONL data (default: --model)")
-    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default %(default)s)")
-    ap.add_argument("--batch-size", type=int, default=1, help="sequences per forward (default %(default)s)")
-    ap.add_argument("--max-tokens", type=int, help="use at most this many calibration tokens")
+    ap.add_argument("--seq-len", type=int_at_least(1), default=2048, help="tokens per sequence (default %(default)s)")
+    ap.add_argument("--batch-size", type=int_at_least(1), default=1, help="sequences per forward (default %(default)s)")
+    ap.add_argument("--max-tokens", type=int_at_least(1), help="use at most this many calibration tokens")
     ap.add_argument("--no-pack", action="store_true", help="one sequence per document instead of packing")
     ap.add_argument("--padding-side", choices=("right", "left"), default="right")
     ap.add_argument("--device-map", help='transformers device_map, e.g. "auto" (default: load on CPU)')
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto")
     ap.add_argument("--offload-folder", help="offload folder for device_map auto")
-    ap.add_argument("--save-every", type=int, default=10, help="rewrite the report every N batches (default 10)")
-    ap.add_argument("--stop-after", type=int, help="stop after this many sequences in all (resume later)")
+    ap.add_argument("--save-every", type=int_at_least(1), default=10,
+                    help="rewrite the report every N batches (default 10)")
+    ap.add_argument("--stop-after", type=int_at_least(1), help="stop after this many sequences in all (resume later)")
     ap.add_argument("--resume", action="store_true", help="continue the partial report at --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -689,21 +698,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             if not args.out.exists():
                 raise ObserveError(f"--resume: {args.out} does not exist")
-            previous = json.loads(args.out.read_text())
-            if previous.get("format") != REPORT_FORMAT:
+            try:
+                previous = json.loads(args.out.read_text())
+            except ValueError as e:
+                raise ObserveError(f"--resume: {args.out} is not JSON ({e})") from None
+            if not isinstance(previous, dict) or previous.get("format") != REPORT_FORMAT:
                 raise ObserveError(f"--resume: {args.out} is not a {REPORT_FORMAT} report")
             if previous.get("progress", {}).get("complete"):
                 print(f"{args.out} is already complete ({previous['progress']['sequences_done']} sequences)")
                 return 0
         elif args.out.exists():
             raise ObserveError(f"{args.out} exists; pass --resume to continue it or choose another --out")
-        model = _load_model(args)
+        check_writable(args.out)
+        try:
+            model = _load_model(args)
+        except ValueError as e:
+            raise ObserveError(f"cannot load --model {args.model}: {e}") from None
         tc = getattr(model.config, "text_config", model.config)
         tokenizer = tokenizer_name = None
         if _needs_tokenizer(args.data):
             from transformers import AutoTokenizer
             tokenizer_name = args.tokenizer or args.model
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=True)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=True)
+            except ValueError as e:
+                raise ObserveError(f"cannot load the tokenizer {tokenizer_name}: {e}") from None
         pad_id = _first(getattr(tc, "pad_token_id", None))
         pad_id = pad_id if pad_id is not None else _first(getattr(model.config, "pad_token_id", None))
         if pad_id is None:
@@ -724,9 +743,8 @@ def main(argv: list[str] | None = None) -> int:
                          resume_from=previous, calibration=calibration, name_or_path=name,
                          total_sequences=len(sequences), stop_after=args.stop_after, save_path=args.out,
                          save_every=args.save_every, progress=not args.no_progress)
-    except ObserveError as e:
-        print(f"observe: error: {e}", file=sys.stderr)
-        return 1
+    except (ObserveError, OSError) as e:
+        return fail("observe", e)
     except KeyboardInterrupt:
         print(f"observe: interrupted; the report at {args.out} covers whole batches — continue with --resume",
               file=sys.stderr)

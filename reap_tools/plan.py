@@ -53,15 +53,17 @@ config.json first (a report from another model is refused).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from .checkpoint import CheckpointError, experts_per_layer, read_config, text_config, write_json
+from .cli import ArgumentParser, check_writable, fail, int_at_least
+from .model_config import model_text_config
 
 CRITERIA = ("reap", "frequency", "ean", "random")
 REPORT_FORMAT = "reap-saliency/1"
@@ -77,7 +79,7 @@ def load_report(path: str | Path, *, allow_incomplete: bool = False) -> dict:
     """Read a saliency report and check its schema (see the module docstring)."""
     try:
         report = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PlanError(f"cannot read report {path}: {e}") from e
     validate_report(report, allow_incomplete=allow_incomplete)
     return report
@@ -132,12 +134,12 @@ def check_report_matches(report: dict, config: dict) -> None:
     """Refuse a report taken on another model than the checkpoint the plan is for."""
     tc = text_config(config)
     model = report["model"]
+    top_k = model_text_config(config).num_experts_per_token
     if int(model["num_hidden_layers"]) != int(tc["num_hidden_layers"]):
         raise PlanError(f"report is for a model with {model['num_hidden_layers']} layers, "
                         f"the checkpoint has {tc['num_hidden_layers']}")
-    if int(model["num_experts_per_token"]) != int(tc["num_experts_per_token"]):
-        raise PlanError(f"report is for top-{model['num_experts_per_token']}, the checkpoint routes "
-                        f"top-{tc['num_experts_per_token']}")
+    if int(model["num_experts_per_token"]) != top_k:
+        raise PlanError(f"report is for top-{model['num_experts_per_token']}, the checkpoint routes top-{top_k}")
     want, have = experts_per_layer(tc), report_experts(report)
     if set(want) != set(have):
         raise PlanError(f"report MoE layers {sorted(have)} != checkpoint MoE layers {sorted(want)}")
@@ -239,7 +241,7 @@ HEATMAP_DECADES = 3  # the heat map shows score / layer max on a log scale down 
 
 
 def write_heatmap(report: dict, selection: dict, path: str | Path, seed: int = 0) -> None:
-    """PNG: MoE layers x experts, log(score / layer max); kept in colour, dropped in grey.
+    """PNG: MoE layers x experts, log(score / layer max); kept in colour, dropped in grey. Written atomically.
 
     Saliency is heavy-tailed, so a log scale per layer shows structure a linear one hides; the
     random criterion shows REAP scores. A bar panel gives the kept count of each layer.
@@ -280,20 +282,26 @@ def write_heatmap(report: dict, selection: dict, path: str | Path, seed: int = 0
     fig.colorbar(plt.cm.ScalarMappable(colors.LogNorm(lo, 1), cmap), ax=bar, label="score / layer max")
     bar.barh(np.arange(len(layers)), n_kept, color="tab:orange")
     bar.set_xlabel("kept")
-    fig.savefig(path, dpi=150, bbox_inches="tight")
-    plt.close(fig)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")  # the suffix picks the image format
+    try:
+        fig.savefig(tmp, dpi=150, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reap_tools plan", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m reap_tools plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("report", type=Path, help="saliency report JSON from `observe`")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("-n", "--num-experts", type=int, help=f"experts kept in every MoE layer (default {DEFAULT_N})")
     size.add_argument("--budget", type=int, help="total experts kept over all MoE layers (non-uniform)")
     ap.add_argument("--min-per-layer", type=int, help="per-layer floor with --budget (default: top-k)")
     ap.add_argument("--criterion", choices=CRITERIA, default="reap", help="score to rank experts by (default reap)")
-    ap.add_argument("--seed", type=int, default=0, help="seed for --criterion random (default 0)")
-    ap.add_argument("--protect-super", type=int, default=0, metavar="K",
+    ap.add_argument("--seed", type=int_at_least(0), default=0, help="seed for --criterion random (default 0)")
+    ap.add_argument("--protect-super", type=int_at_least(0), default=0, metavar="K",
                     help="always keep the K experts with the largest max activation norm per layer")
     ap.add_argument("--allow-incomplete", action="store_true", help="plan from an interrupted observe report")
     ap.add_argument("--checkpoint", type=Path, help="checkpoint dir (or config.json) the plan is for; "
@@ -304,6 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.min_per_layer is not None and args.budget is None:
         ap.error("--min-per-layer only applies with --budget")
+    if args.heatmap is not None and args.no_heatmap:
+        ap.error("--heatmap and --no-heatmap contradict each other")
+    heatmap = None if args.no_heatmap else args.heatmap or args.output.with_suffix(".png")
+    outputs = [("-o/--output", args.output)] + ([("--heatmap", heatmap)] if heatmap is not None else [])
+    for flag, path in outputs:
+        if path.resolve() == args.report.resolve():
+            ap.error(f"{flag} {path} is the report itself; choose another path")
+    if heatmap is not None and heatmap.resolve() == args.output.resolve():
+        ap.error(f"--heatmap {heatmap} is the selection output; choose another path")
     try:
         report = load_report(args.report, allow_incomplete=args.allow_incomplete)
         if args.checkpoint is not None:
@@ -311,17 +328,17 @@ def main(argv: list[str] | None = None) -> int:
         selection = plan_selection(report, num_experts=args.num_experts, budget=args.budget,
                                    min_per_layer=args.min_per_layer, criterion=args.criterion, seed=args.seed,
                                    protect_super=args.protect_super, report_path=args.report)
-    except (PlanError, CheckpointError) as e:
-        print(f"plan: error: {e}", file=sys.stderr)
-        return 1
-    write_json(args.output, selection)
-    counts = sorted({len(v) for v in selection["layers"].values()})
-    print(f"wrote {args.output}: {args.criterion}, {len(selection['layers'])} MoE layers keep "
-          f"{counts[0] if len(counts) == 1 else f'{counts[0]}..{counts[-1]}'} experts")
-    if not args.no_heatmap:
-        heatmap = args.heatmap or args.output.with_suffix(".png")
-        write_heatmap(report, selection, heatmap, args.seed)
-        print(f"wrote {heatmap}")
+        for _, path in outputs:
+            check_writable(path)
+        write_json(args.output, selection)
+        counts = sorted({len(v) for v in selection["layers"].values()})
+        print(f"wrote {args.output}: {args.criterion}, {len(selection['layers'])} MoE layers keep "
+              f"{counts[0] if len(counts) == 1 else f'{counts[0]}..{counts[-1]}'} experts")
+        if heatmap is not None:
+            write_heatmap(report, selection, heatmap, args.seed)
+            print(f"wrote {heatmap}")
+    except (PlanError, CheckpointError, OSError) as e:
+        return fail("plan", e)
     return 0
 
 

@@ -4,7 +4,6 @@
 beside it, so `AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True)` loads it like the real release.
 """
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -14,6 +13,7 @@ import torch
 from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from mxfp4 import mxfp4_quantization_config
+from reap_tools.cli import ArgumentParser, fail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kda.py", "mxfp4.py", "mxfp4_triton.py",
@@ -108,12 +108,15 @@ def write_checkpoint(dst, model=None, packed=True, seed=0, max_shard_size=None, 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m reap_tools tiny", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m reap_tools tiny", description=__doc__.splitlines()[0])
     parser.add_argument("dst", help="output checkpoint directory (must not exist)")
     parser.add_argument("--bf16-experts", action="store_true", help="plain routed experts instead of MXFP4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shard-size", default=None, help='e.g. "200KB" to write several shards')
     args = parser.parse_args(argv)
-    write_checkpoint(args.dst, packed=not args.bf16_experts, seed=args.seed, max_shard_size=args.max_shard_size)
+    try:
+        write_checkpoint(args.dst, packed=not args.bf16_experts, seed=args.seed, max_shard_size=args.max_shard_size)
+    except (OSError, ValueError) as e:
+        return fail("tiny", e)
     print(f"wrote {args.dst}")
     return 0
