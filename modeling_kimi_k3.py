@@ -1075,38 +1075,61 @@ class KimiK3PreTrainedModel(PreTrainedModel):
 
     @classmethod
     def check_checkpoint(cls, directory, config):
-        """Compare a local checkpoint's tensor names and shapes with what `config` implies, before loading."""
-        found = read_safetensors_shapes(directory)
+        """Compare a local checkpoint's tensor names, shapes and dtypes with what `config` implies, before loading.
+
+        The model's state_dict on the meta device gives the expected tensors: a uint8 one (MXFP4 bytes and scales)
+        must be stored as U8, an integer one as its own dtype, a float one as BF16, F16 or F32 (any dtype the model
+        may be loaded in). A scale stored as BF16 or a router weight as I64 would otherwise be cast silently.
+        """
+        found = read_safetensors_headers(directory)
         with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
-        mismatched = [f"{k} (checkpoint {list(found[k])}, model {list(s)})"
-                      for k, s in expected.items() if k in found and tuple(found[k]) != s]
+            expected = {k: (tuple(v.shape), v.dtype) for k, v in cls(config).state_dict().items()}
+        mismatched = [f"{k} (checkpoint {list(found[k][2])}, model {list(s)})"
+                      for k, (s, _) in expected.items() if k in found and found[k][2] != s]
+        wrong_dtype = []
+        for k, (_, dtype) in expected.items():
+            accepted = _SAFETENSORS_FLOATS if dtype.is_floating_point else (_SAFETENSORS_DTYPES.get(dtype, str(dtype)),)
+            if k in found and found[k][1] not in accepted:
+                wrong_dtype.append(f"{k} in {found[k][0]} ({found[k][1]}, model expects {' or '.join(accepted)})")
         cls._raise_on_key_problems(directory, sorted(set(expected) - set(found)), sorted(set(found) - set(expected)),
-                                   mismatched)
+                                   mismatched, wrong_dtype)
 
     @classmethod
-    def _raise_on_key_problems(cls, source, missing, unexpected, mismatched):
+    def _raise_on_key_problems(cls, source, missing, unexpected, mismatched, wrong_dtype=()):
         ignored = cls._keys_to_ignore_on_load_unexpected or []
         unexpected = [k for k in unexpected if not any(re.search(p, k) for p in ignored)]
-        problems = {"missing": sorted(missing), "unexpected": sorted(unexpected), "mismatched": sorted(mismatched)}
+        problems = {"missing": sorted(missing), "unexpected": sorted(unexpected), "mismatched": sorted(mismatched),
+                    "wrong dtype": sorted(wrong_dtype)}
         if any(problems.values()):
             detail = "; ".join(f"{kind}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else "")
                                for kind, keys in problems.items() if keys)
             raise ValueError(f"{source}: checkpoint does not match the model ({detail})")
 
 
-def read_safetensors_shapes(directory):
-    """Tensor name -> shape over a checkpoint's safetensors files, failing early (naming the file) on a missing
-    shard, a truncated file or a corrupt header, and on a tensor stored somewhere other than the index says."""
+# safetensors dtype names: those a float parameter may be stored as, and the one an integer tensor must have.
+_SAFETENSORS_FLOATS = ("BF16", "F16", "F32")
+_SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+                       torch.int64: "I64", torch.bool: "BOOL"}
+
+
+def read_safetensors_headers(directory):
+    """Tensor name -> (file name, safetensors dtype, shape) over a checkpoint's safetensors files, failing early
+    (naming the file) on a malformed index, a missing shard, a truncated file or a corrupt header, and on a tensor
+    stored somewhere other than the index says."""
     index_path = os.path.join(directory, "model.safetensors.index.json")
     weight_map = None
     if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError) as err:
+            raise ValueError(f"{index_path}: not a JSON object ({err})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index_path}: no \"weight_map\" object of tensor name -> shard file name")
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
-    shapes = {}
+    found = {}
     for name in files:
         path = os.path.join(directory, name)
         if not os.path.exists(path):
@@ -1121,18 +1144,20 @@ def read_safetensors_shapes(directory):
                 raise ValueError(f"{path}: truncated safetensors header ({size} bytes, header says {header_len})")
             try:
                 header = json.loads(f.read(header_len))
-            except ValueError as err:
-                raise ValueError(f"{path}: corrupt safetensors header ({err})") from None
-        header.pop("__metadata__", None)
-        end = max((t["data_offsets"][1] for t in header.values()), default=0)
+                header.pop("__metadata__", None)
+                entries = {key: (str(meta["dtype"]), tuple(int(d) for d in meta["shape"]), int(meta["data_offsets"][1]))
+                           for key, meta in header.items()}
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+                raise ValueError(f"{path}: corrupt safetensors header ({err!r})") from None
+        end = max((e[2] for e in entries.values()), default=0)
         if 8 + header_len + end != size:
             raise ValueError(f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + header_len + end})")
-        for key, meta in header.items():
+        for key, (dtype, shape, _) in entries.items():
             if weight_map is not None and weight_map.get(key) != name:
                 raise ValueError(f"{path}: holds {key}, which model.safetensors.index.json places in "
                                  f"{weight_map.get(key)}")
-            shapes[key] = tuple(meta["shape"])
-    return shapes
+            found[key] = (name, dtype, shape)
+    return found
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
