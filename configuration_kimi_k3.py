@@ -63,7 +63,7 @@ def _check(condition, message):
 
 
 class KimiK3TextConfig(PretrainedConfig):
-    """The decoder's hyper-parameters, under the release's key names (SPEC §1).
+    """The decoder's hyper-parameters, under the release's key names.
 
     `linear_attn_config.full_attn_layers` / `kda_layers` are **1-based** as in the release; `layer_types` is the
     derived 0-based list ("kda" or "mla"). `num_experts_per_layer` (ours, written by non-uniform prunes) gives the

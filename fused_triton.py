@@ -12,8 +12,8 @@ moving bytes. Each kernel here replaces one such chain with the same fp32 math:
   * `pair_sum_norm`: the LatentMoE's sum of its per-(token, slot) expert outputs, rounded to the activation dtype,
     and the RMSNorm after it (torch: 3 kernels; here 1).
 
-The model calls these only for CUDA tensors where `available()`; everywhere else, and as the reference the tests
-compare against, it runs its own torch code. Sums run in another order than torch's, so results agree to fp32
+The model calls these where its `fused` fast path is on (on CUDA, where triton imports, by default); everywhere
+else, and as the reference the tests compare against, it runs its own torch code. Sums run in another order than torch's, so results agree to fp32
 rounding, then to one bf16 ulp after the final cast.
 """
 
@@ -28,14 +28,12 @@ except ImportError:  # CPU-only installs: the model uses its torch code
     triton = None
     tl = None
 
-# Set to False (or KIMI_K3_FUSED=0) to run the model's torch code instead; benchmarks and tests compare the two.
-ENABLED = os.environ.get("KIMI_K3_FUSED", "1") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def available(x):
-    """True where the fused kernels would run for tensor `x`."""
-    return ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+def supported(device):
+    """True where these kernels can run for tensors on `device` (CUDA, or any device in Triton's interpreter)."""
+    return triton is not None and (torch.device(device).type == "cuda" or _INTERPRET)
 
 
 if triton is not None:

@@ -12,7 +12,6 @@ WY/UT form (prefill). Both take q, k already L2-normalised and apply `scale` to 
 else this reference. fla is imported lazily, so this module needs only torch.
 """
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -99,16 +98,14 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
 # fla-core dispatch (CUDA)
 # ------------------------------------------------------------------------------------------------------------------
 
-# fla-core's kernels are used on CUDA wherever fla imports (KIMI_K3_FLA_KDA=0 switches them off): its decode kernel
-# always, its chunked prefill kernel only with KIMI_K3_FLA_KDA_PREFILL=1 (`PREFILL`; prefill otherwise runs the
+# fla-core's kernels are used where the model's fast paths say so (`fla=True` here): its decode kernel by default
+# (the `kda` path), its chunked prefill kernel only on request (`kda_prefill`; prefill otherwise runs the
 # reference's chunked form, 64-token chunks on CUDA: a KDA + MoE layer 42-43 k tokens/s at 2k-8k tokens on an H200,
-# against 102-108 k with fla's, timed a session earlier). Measured on an H200:
+# against 102-108 k with fla's). Measured on an H200:
 # on a small bf16 model's own activations every fla call is within 0.4 % of the reference, output and state; but over
 # 64 greedy steps of that model (bench/greedy_gpu.py, tests/test_gpu_paths.py), with fla's prefill the reference's
 # argmax is the chosen token at 81-88 % of steps (mean shortfall 0.013-0.021 logit std, largest 0.34-0.54, safe_gate
 # on or off), with fla for decode steps only at 97-98 % (mean 0.0006, largest 0.038-0.054), as with the Triton experts.
-ENABLED = os.environ.get("KIMI_K3_FLA_KDA", "1") == "1"
-PREFILL = os.environ.get("KIMI_K3_FLA_KDA_PREFILL", "0") == "1"
 # fla's `safe_gate` (16-row tensor-core sub-chunks, valid for gates bounded in [lower_bound, 0) with lower_bound
 # >= -5): None uses it whenever the bound allows; False never.
 SAFE_GATE = None
@@ -131,25 +128,21 @@ def _load():
     return _fla or None
 
 
-def available(device=None):
-    """True where the fla kernels would be used for tensors on `device`."""
-    if not ENABLED or not torch.cuda.is_available():
-        return False
-    if device is not None and torch.device(device).type != "cuda":
-        return False
-    return _load() is not None
+def supported(device):
+    """True where fla's kernels can run for tensors on `device` (CUDA, fla-core importable)."""
+    return torch.device(device).type == "cuda" and _load() is not None
 
 
 def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, decode=False,
-                in_place=False):
+                in_place=False, fla=False):
     """KDA core. q, k, g_raw: [B, T, H, K]; v: [B, T, H, V]; beta_raw: [B, T, H] (logits); A_log: [H];
     dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `decode` selects the step-by-step kernel;
     `in_place` lets fla's decode kernel write the new state over `initial_state` (a static cache's buffer; the
-    reference path always returns a new tensor).
+    reference path always returns a new tensor). `fla` runs fla-core's kernel for this call where it loads.
 
     Returns (o [B, T, H, V] in v's dtype on the fla path, fp32 on the reference path; state [B, H, K, V] fp32).
     """
-    kernels = _load() if (q.is_cuda and available() and (decode or PREFILL)) else None
+    kernels = _load() if fla and q.is_cuda else None
     if kernels is None:
         g = kda_gate(g_raw, A_log, dt_bias, lower_bound)
         beta = torch.sigmoid(beta_raw.float())

@@ -1,16 +1,16 @@
 """Kimi K3 text model (remote code): hybrid KDA / gated NoPE MLA decoder with Block Attention Residuals and LatentMoE.
 
-Reads top to bottom as the architecture does (see SPEC §2): side branches (CUDA streams), activations and norms,
-Block Attention Residuals, KDA, MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the model and
-the causal-LM head. Module names follow the release checkpoint (`language_model.model.layers.{i}...`) so it loads
-unchanged. Every block has a pure-torch reference path, which runs anywhere and is what the tests compare against.
-On CUDA, KDA uses fla-core's kernels where they import (`kda.kda_forward`; prefill opt-in), the routed experts
-Triton kernels that read the MXFP4 bytes directly (`mxfp4_triton.py`), the depth mixes (with the norm after each)
-and KDA's short convs one fused Triton kernel each (`fused_triton.py`), each imported lazily and skipped when
-missing; independent parts of a block run on a second stream (`SideBranch`). `KimiK3StaticCache` makes a decode
-step graph-capturable; `generate` then replays it.
+Reads top to bottom as the architecture does: the fast-path dispatch, side branches (CUDA streams), activations and
+norms, Block Attention Residuals, KDA, MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the
+CUDA-graph decode runner, the model and the causal-LM head. Module names follow the release checkpoint
+(`language_model.model.layers.{i}...`) so it loads unchanged. Every block's torch code is its reference, which runs
+anywhere and is what the tests compare against. The optional fast paths (`config.fast_paths`: fla-core's KDA kernels
+in `kda.py`, the MXFP4 expert kernels in `mxfp4_triton.py`, the fused small-op kernels in `fused_triton.py`, side
+streams, CUDA graphs) are resolved once per device by `resolve_fast_paths`, and each block takes them where its
+resolved `FastPaths` say so.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,49 +26,150 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 try:
-    from .configuration_kimi_k3 import KimiK3Config
-    from .fused_triton import attn_res_mix as fused_attn_res_mix, available as fused_available
+    from .configuration_kimi_k3 import KimiK3Config, check_fast_paths
+    from .fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
     from .fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
     from .fused_triton import short_conv as fused_short_conv
-    from .kda import kda_forward
+    from .kda import kda_forward, supported as fla_supported
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
+    from .mxfp4_triton import supported as experts_kernel_supported
 except ImportError:  # imported from the repository root rather than as transformers remote code
-    from configuration_kimi_k3 import KimiK3Config
-    from fused_triton import attn_res_mix as fused_attn_res_mix, available as fused_available
+    from configuration_kimi_k3 import KimiK3Config, check_fast_paths
+    from fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
     from fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
     from fused_triton import short_conv as fused_short_conv
-    from kda import kda_forward
+    from kda import kda_forward, supported as fla_supported
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
+    from mxfp4_triton import supported as experts_kernel_supported
 
-logger = logging.get_logger(__name__)
+# Under transformers' own logger, so that its verbosity settings (`transformers.logging.set_verbosity_info()`) reach
+# this remote code too, whose module lives outside the library (`transformers_modules.<repo>...`).
+logger = logging.get_logger("transformers.kimi_k3")
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fast paths
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FastPaths:
+    """Which optional implementation the blocks on one device take (True) instead of their reference (False); the
+    paths are `configuration_kimi_k3.FAST_PATH_DEFAULTS`'. The default, all False, is the pure-torch reference."""
+
+    experts: bool = False
+    kda: bool = False
+    kda_prefill: bool = False
+    fused: bool = False
+    side_streams: bool = False
+    cuda_graphs: bool = False
+
+    def __str__(self):
+        return ", ".join(f"{f.name}={'on' if getattr(self, f.name) else 'off'}" for f in dataclasses.fields(self))
+
+
+def _fast_path_unsupported(path, device):
+    """Why `path` cannot run for tensors on `device`, or None where it can."""
+    if path == "experts":
+        return None if experts_kernel_supported(device) else "needs triton and a CUDA device"
+    if path == "fused":
+        return None if fused_supported(device) else "needs triton and a CUDA device (or Triton's CPU interpreter)"
+    if path in ("kda", "kda_prefill"):
+        return None if fla_supported(device) else "needs fla-core and a CUDA device"
+    return None if device.type == "cuda" else "needs a CUDA device"
+
+
+def resolve_fast_paths(requested, device):
+    """The `FastPaths` for tensors on `device`: "auto" takes a path where it can run, "on" requires it (an error
+    naming the path and why not), "off" takes the reference. `KIMI_K3_FAST_PATHS` ("kda=off,fused=on") overrides
+    the config, for benchmarks; this is the one place it is read."""
+    choices = dict(requested or {})
+    for item in filter(None, os.environ.get("KIMI_K3_FAST_PATHS", "").split(",")):
+        path, _, choice = item.partition("=")
+        choices[path.strip()] = choice.strip()
+    choices = check_fast_paths(choices)
+    device = torch.device(device)
+    chosen = {}
+    for path, choice in choices.items():
+        why = _fast_path_unsupported(path, device) if choice != "off" else None
+        if choice == "on" and why:
+            raise ValueError(f"fast_paths[{path!r}] is 'on', but it {why} (tensors on {device})")
+        chosen[path] = choice != "off" and why is None
+    return FastPaths(**chosen)
+
+
+class FastPathDispatch:
+    """The fast paths of one model's blocks: `at(device)` resolves them once per device, and again after the
+    request changes (the config's `fast_paths`, read once per model call by `refresh`, and `use_fast_paths`'
+    overrides); each resolution is logged in one line. Blocks built on their own get one of their own (defaults)."""
+
+    def __init__(self, config=None):
+        self.config = config
+        self.overrides = {}
+        self._requested = None
+        self._resolved = {}
+
+    def set(self, **choices):
+        """Override some paths ("auto" / "on" / "off", or True / False) from now on."""
+        self.overrides.update(choices)
+        self.refresh()
+
+    def refresh(self):
+        requested = {**(getattr(self.config, "fast_paths", None) or {}), **self.overrides}
+        if requested != self._requested:
+            self._requested, self._resolved = requested, {}
+
+    def at(self, device):
+        fast = self._resolved.get(device)
+        if fast is None:
+            if self._requested is None:
+                self.refresh()
+            fast = self._resolved[device] = resolve_fast_paths(self._requested, device)
+            logger.info(f"Kimi K3 fast paths on {device}: {fast}")
+        return fast
+
+
+@contextlib.contextmanager
+def use_fast_paths(module, **choices):
+    """Run `module` (a model or a block) with some fast paths switched ("auto" / "on" / "off", or True / False),
+    then restore the previous choices: how tests and benchmarks compare a path with the reference."""
+    dispatches = {id(d): d for m in module.modules() if isinstance(d := getattr(m, "dispatch", None),
+                                                                   FastPathDispatch)}
+    saved = [(d, dict(d.overrides)) for d in dispatches.values()]
+    try:
+        for d, _ in saved:
+            d.set(**choices)
+        yield
+    finally:
+        for d, overrides in saved:
+            d.overrides = overrides
+            d.refresh()
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Side branches (CUDA)
 # ----------------------------------------------------------------------------------------------------------------
 
-# Where True, work of a block that the main path does not need until its end (the MoE's shared experts, the attention
-# gates and query path) runs on a second CUDA stream, so it overlaps the main path's chain of small kernels instead of
-# queueing behind it; a CUDA graph captured over a decode step keeps both branches. KIMI_K3_SIDE_STREAM=0 (or False
-# here) runs everything on one stream, in order. The results are the same either way: the same kernels on the same
-# inputs.
-SIDE_STREAM = os.environ.get("KIMI_K3_SIDE_STREAM", "1") == "1"
+# Where the `side_streams` path is on, work of a block that the main path does not need until its end (the MoE's
+# router and shared experts, the attention gates and query path) runs on a second CUDA stream, so it overlaps the main
+# path's chain of small kernels instead of queueing behind it; a CUDA graph captured over a decode step keeps both
+# branches. The results are the same either way: the same kernels on the same inputs.
 _side_streams = {}
 
 
 class SideBranch:
     """`with branch:` queues its work on a second stream of x's CUDA device, after everything queued so far;
     `branch.join()` makes the main stream wait for that work (not for side work queued after it). In place (a
-    no-op) on CPU or with SIDE_STREAM off.
+    no-op) where `enabled` is False (the side_streams path off, or not on CUDA).
 
     No `record_stream` is needed as long as the caller joins before it returns: the branch's inputs are then still
     referenced while it runs, and memory it allocated and the caller frees is reused by later side-stream work only
     after a later fork, i.e. after every main-stream read queued before it.
     """
 
-    def __init__(self, x):
-        self.main = torch.cuda.current_stream(x.device) if SIDE_STREAM and x.is_cuda else None
+    def __init__(self, x, enabled):
+        self.main = torch.cuda.current_stream(x.device) if enabled and x.is_cuda else None
         if self.main is not None and x.device not in _side_streams:
             _side_streams[x.device] = torch.cuda.Stream(x.device)
         self.side = _side_streams[x.device] if self.main is not None else None
@@ -147,17 +248,18 @@ class KimiK3MLP(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def attn_res_mix(sources, norm, proj, out_norm):
+def attn_res_mix(sources, norm, proj, out_norm, fused=False):
     """Softmax-weighted mix over depth, `sum_j softmax_j(proj(norm(v_j))) v_j` in fp32, then `out_norm` of it (the
     RMSNorm of the sublayer that reads the mix).
 
-    `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score of SPEC §2. On CUDA one
-    fused kernel (`fused_triton.attn_res_mix`) does both after the stack, without calling the norm modules.
+    `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score of Block Attention
+    Residuals. With `fused` (the `fused` fast path) one kernel (`fused_triton.attn_res_mix`) does both after the
+    stack, without calling the norm modules.
     """
     if len(sources) == 1:
         return out_norm(sources[0])
     stacked = torch.stack(sources)  # [n, B, T, H]
-    if fused_available(stacked):
+    if fused:
         return fused_attn_res_mix(stacked, norm.weight, proj.weight[0], norm.variance_epsilon, out_norm.weight,
                                   out_norm.variance_epsilon)
     stacked = stacked.float()
@@ -220,10 +322,11 @@ class KimiK3ShortConv(nn.Conv1d):
 class KimiK3DeltaAttention(nn.Module):
     """KDA layer: short convs on q/k/v, lower-bounded per-channel decay, delta rule, gated per-head RMSNorm output."""
 
-    def __init__(self, config, layer_idx):
+    def __init__(self, config, layer_idx, dispatch=None):
         super().__init__()
         lac = config.linear_attn_config
         self.layer_idx = layer_idx
+        self.dispatch = dispatch or FastPathDispatch()
         self.num_heads, self.head_dim = lac["num_heads"], lac["head_dim"]
         self.lower_bound = lac["gate_lower_bound"]
         width = self.num_heads * self.head_dim
@@ -251,33 +354,36 @@ class KimiK3DeltaAttention(nn.Module):
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)  # padding leaves state and conv history at 0
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        branch = SideBranch(x)
+        fast = self.dispatch.at(x.device)
+        branch = SideBranch(x, fast.side_streams)
         with branch:  # the gate inputs, which the short convs do not need
             g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
             beta_raw = self.b_proj(x)
             out_gate = torch.sigmoid(self.g_proj(x)).view(heads)
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         own = cache.layers[self.layer_idx] if cache is not None else KimiK3DeltaCacheLayer()  # no cache: a scratch one
-        (q, k, v), conv_states = self.short_convs(projected, own.conv_states, own.in_place)
+        (q, k, v), conv_states = self.short_convs(projected, own.conv_states, own.in_place, fast.fused)
         branch.join()
-        # fla-core's kernels on CUDA where enabled, else the pure-torch reference (kda.chunk_kda / recurrent_kda)
         state = own.recurrent_state
+        decode = length == 1 and state is not None
+        # fla-core's kernels where the kda / kda_prefill paths are on, else the pure-torch reference
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                               state, decode=length == 1 and state is not None, in_place=own.in_place)
+                               state, decode=decode, in_place=own.in_place,
+                               fla=fast.kda if decode else fast.kda_prefill)
         own.update(conv_states, state)
         o = self.o_norm(o.to(x.dtype)) * out_gate
         return self.o_proj(o.reshape(batch, length, -1))
 
-    def short_convs(self, projected, conv_states, in_place):
-        """q, k, v through their short convs: returns ((q, k, v), new conv histories). On CUDA one fused kernel a
+    def short_convs(self, projected, conv_states, in_place, fused=False):
+        """q, k, v through their short convs: returns ((q, k, v), new conv histories). With `fused` one kernel a
         conv (`in_place`: the histories are overwritten, as a static cache wants); else one `short_conv` over the
         concatenated channels (1/3 the ops), or, with weights offloaded by accelerate (its hooks load each conv's
         weight only for its own forward), each conv module on its own."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         if not all(c.weight.device == projected[0].device for c in convs):
             return zip(*(c(y, s) for c, y, s in zip(convs, projected, conv_states or (None,) * 3)))
-        if fused_available(projected[0]):
+        if fused:
             return fused_short_conv(projected, [c.weight for c in convs], conv_states, in_place)
         widths = [c.out_channels for c in convs]
         qkv, qkv_state = short_conv(torch.cat(projected, dim=-1), torch.cat([c.weight for c in convs]),
@@ -297,9 +403,10 @@ class KimiK3MLAttention(nn.Module):
     per-head K/V are expanded from it with `kv_b_proj` at each call.
     """
 
-    def __init__(self, config, layer_idx):
+    def __init__(self, config, layer_idx, dispatch=None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.dispatch = dispatch or FastPathDispatch()
         self.num_heads = config.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
@@ -320,7 +427,7 @@ class KimiK3MLAttention(nn.Module):
         """x: [B, T, H]; attention_mask: [B, keys] over all cached and new tokens (0 = padding), or None;
         positions: [T] the new tokens' absolute positions (default: right after the cached ones)."""
         batch, length, _ = x.shape
-        branch = SideBranch(x)
+        branch = SideBranch(x, self.dispatch.at(x.device).side_streams)
         with branch:  # the query path and the output gate, beside the latent's path through the cache
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
@@ -422,8 +529,9 @@ class KimiK3Router(nn.Module):
     sigmoid scores (not the biased ones), renormalised over the top-k, times `routed_scaling_factor`.
     """
 
-    def __init__(self, config, num_experts):
+    def __init__(self, config, num_experts, dispatch=None):
         super().__init__()
+        self.dispatch = dispatch or FastPathDispatch()
         self.top_k = config.num_experts_per_token
         self.renormalize = config.moe_renormalize
         self.scaling = config.routed_scaling_factor
@@ -437,7 +545,7 @@ class KimiK3Router(nn.Module):
             logits = logits.view(*x.shape[:-1], -1)
         else:
             logits = F.linear(x.float(), self.weight.float())
-        if fused_available(logits) and logits.dim() == 2:
+        if logits.dim() == 2 and self.dispatch.at(logits.device).fused:
             chosen = fused_router_topk(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
             if chosen is not None:
                 return chosen
@@ -514,10 +622,11 @@ class KimiK3LatentMoE(nn.Module):
     `out = up(norm(sum_k w_k expert_k(down(x)))) + shared_experts(x)`. Experts run only on the tokens routed to them.
     """
 
-    def __init__(self, config, num_experts, packed):
+    def __init__(self, config, num_experts, packed, dispatch=None):
         super().__init__()
         self.num_experts = num_experts
-        self.gate = KimiK3Router(config, num_experts)
+        self.dispatch = dispatch or FastPathDispatch()
+        self.gate = KimiK3Router(config, num_experts, self.dispatch)
         self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
         self.experts = nn.ModuleList(KimiK3Expert(config, packed) for _ in range(num_experts))
         self.routed_expert_norm = (
@@ -531,29 +640,30 @@ class KimiK3LatentMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = SideBranch(flat)
+        fast = self.dispatch.at(x.device)
+        routing = SideBranch(flat, fast.side_streams)
         with routing:  # the router, beside the down projection
             ids, weights = self.gate(flat)
-        branch = SideBranch(flat)
+        branch = SideBranch(flat, fast.side_streams)
         with branch:  # then the shared experts, beside the routed experts
             shared = self.shared_experts(flat)
         z = self.routed_expert_down_proj(flat)
         routing.join()
         packed = isinstance(self.experts[0].w1, MXFP4Linear)
-        pairs = triton_routed_experts(self, z, ids, weights) if x.is_cuda and packed else None  # None: not applicable
+        pairs = triton_routed_experts(self, z, ids, weights) if fast.experts and packed else None  # None: n/a here
         if pairs is None:
             y = self.routed_expert_norm(self.routed_experts(z, ids, weights).to(z.dtype))
         else:
-            y = self.normed_sum(pairs, z.dtype)
+            y = self.normed_sum(pairs, z.dtype, fast.fused)
         y = self.routed_expert_up_proj(y)
         branch.join()
         return (y + shared).view(shape)
 
-    def normed_sum(self, pairs, dtype):
+    def normed_sum(self, pairs, dtype, fused=False):
         """`routed_expert_norm` of the per-(token, slot) outputs [N, k, L] (fp32, weighted) summed over k and rounded
-        to `dtype`: one fused kernel where available (`fused_triton.pair_sum_norm`), else the torch ops."""
+        to `dtype`: with `fused` one kernel (`fused_triton.pair_sum_norm`), else the torch ops."""
         norm = self.routed_expert_norm
-        if fused_available(pairs) and isinstance(norm, (KimiK3RMSNorm, nn.Identity)):
+        if fused and isinstance(norm, (KimiK3RMSNorm, nn.Identity)):
             weight, eps = (norm.weight, norm.variance_epsilon) if isinstance(norm, KimiK3RMSNorm) else (None, 0.0)
             out = fused_pair_sum_norm(pairs, weight, eps, dtype)
             if out is not None:
@@ -635,9 +745,10 @@ class KimiK3DecoderLayer(nn.Module):
     partial sum of sublayer outputs (None right after a block boundary).
     """
 
-    def __init__(self, config, layer_idx, packed_experts):
+    def __init__(self, config, layer_idx, packed_experts, dispatch=None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.dispatch = dispatch = dispatch or FastPathDispatch()
         self.opens_block = layer_idx % config.attn_res_block_size == 0
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = KimiK3RMSNorm(hidden, eps)
@@ -647,10 +758,10 @@ class KimiK3DecoderLayer(nn.Module):
         self.mlp_res_norm = KimiK3RMSNorm(hidden, eps)
         self.mlp_res_proj = KimiK3AttnResProj(hidden)
         attention = KimiK3DeltaAttention if config.layer_types[layer_idx] == "kda" else KimiK3MLAttention
-        self.self_attn = attention(config, layer_idx)
+        self.self_attn = attention(config, layer_idx, dispatch)
         experts = config.experts_in_layer(layer_idx)
         if experts:
-            self.block_sparse_moe = KimiK3LatentMoE(config, experts, packed_experts)
+            self.block_sparse_moe = KimiK3LatentMoE(config, experts, packed_experts, dispatch)
         else:
             self.mlp = KimiK3MLP(config, config.intermediate_size)
 
@@ -659,8 +770,10 @@ class KimiK3DecoderLayer(nn.Module):
         new tokens (default: right after the cached ones)."""
         if positions is None:
             positions = _next_positions(cache, partial.shape[1], partial.device)
+        fused = self.dispatch.at(partial.device).fused
         sources = list(bank) + [partial]
-        h = attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm)
+        h = attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm,
+                         fused)
         if self.opens_block:
             bank, partial = tuple(bank) + (partial,), None
         if isinstance(self.self_attn, KimiK3DeltaAttention):
@@ -669,7 +782,8 @@ class KimiK3DecoderLayer(nn.Module):
         else:
             a = self.self_attn(h, attention_mask, cache, positions)
         partial = a if partial is None else partial + a
-        h = attn_res_mix(list(bank) + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
+        h = attn_res_mix(list(bank) + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm,
+                         fused)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         return tuple(bank), partial + ffn(h)
 
@@ -857,11 +971,10 @@ class KimiK3StaticCache(KimiK3Cache):
     """Preallocated cache for up to `max_length` tokens of `batch_size` rows, updated in place, so that a decode
     step reads and writes the same addresses every time and can be replayed as a CUDA graph.
 
-    The attention mask and the position counter live in device buffers too. With `cuda_graph=True` (and the model
-    on one CUDA device), `KimiK3ForCausalLM` runs each one-token step through `decode_step`: the first eagerly (it
-    warms up kernels and libraries), the second is captured, the rest are replays. Pass it to `generate` as the
-    cache (`model.cache_kwargs(cache)` names it as the installed transformers does); `reset()` readies it, graph
-    and all, for the next prompt (as transformers' StaticCache.reset).
+    The attention mask and the position counter live in device buffers too. With `cuda_graph=True` and the
+    `cuda_graphs` fast path on, `KimiK3ForCausalLM` replays each one-token step from a CUDA graph
+    (`KimiK3DecodeGraph`). Pass it to `generate(..., cache=cache)`; `reset()` readies it, graph and all, for the
+    next prompt (as transformers' StaticCache.reset).
     """
 
     def __init__(self, config, batch_size, max_length, cuda_graph=True):
@@ -869,8 +982,7 @@ class KimiK3StaticCache(KimiK3Cache):
         super().__init__(config)
         self.mask = None  # [B, max_length] bool: 1 = a real token
         self.position = None  # long scalar: tokens cached before the current call
-        self.graph = self.graph_ids = self.graph_logits = None
-        self.warm = False
+        self.decode_graph = None  # a KimiK3DecodeGraph, made by the model's first one-token step with graphs on
 
     def delta_layer(self):
         return KimiK3StaticDeltaCacheLayer(self.rows, self.max_length)
@@ -895,7 +1007,7 @@ class KimiK3StaticCache(KimiK3Cache):
         if self.mask is None:
             self.mask = torch.ones(self.rows, self.max_length, dtype=torch.bool, device=device)
             self.position = torch.zeros((), dtype=torch.long, device=device)
-        if not _capturing():  # a graph replay finds them written by `decode_step`
+        if not _capturing():  # a graph replay finds them written by `KimiK3DecodeGraph`
             self._write_inputs(attention_mask, end)
         return self.mask, self.position + torch.arange(length, device=device)
 
@@ -912,37 +1024,47 @@ class KimiK3StaticCache(KimiK3Cache):
         if self.mask is not None:
             self.mask.copy_(self.mask.index_select(0, beam_idx.to(self.mask.device)))
 
-    def decode_step(self, step, input_ids, attention_mask):
-        """`step(input_ids, attention_mask) -> logits` for one new token per row, replayed from a CUDA graph once
-        warm. Falls back to eager calls (with a warning) where the step cannot be captured."""
-        if not (self.cuda_graph and input_ids.is_cuda and self.seen_tokens > 0):
+
+class KimiK3DecodeGraph:
+    """One-token decode steps on a `KimiK3StaticCache` replayed from one CUDA graph, for `KimiK3ForCausalLM`: the
+    first step runs eagerly (it warms up kernels and libraries), the second is captured, the rest are replays. Where
+    the step cannot be captured it warns once and runs eagerly. It lives on its cache (`cache.decode_graph`), so a
+    `reset()` cache reuses the captured graph."""
+
+    def __init__(self):
+        self.graph = self.ids = self.logits = None
+        self.warm = self.failed = False
+
+    def __call__(self, cache, step, input_ids, attention_mask):
+        """`step(input_ids, attention_mask) -> logits` for one new token per row."""
+        if self.failed or cache.seen_tokens == 0:
             return step(input_ids, attention_mask)
         if self.graph is None:
             if not self.warm:
                 self.warm = True
                 return step(input_ids, attention_mask)
-            self._capture(step, input_ids, attention_mask)
+            self._capture(cache, step, input_ids, attention_mask)
             if self.graph is None:
                 return step(input_ids, attention_mask)
-        self.prepare(attention_mask, input_ids.shape[0], 1, input_ids.device)
-        self.graph_ids.copy_(input_ids)
+        cache.prepare(attention_mask, input_ids.shape[0], 1, input_ids.device)
+        self.ids.copy_(input_ids)
         self.graph.replay()
-        self.seen_tokens += 1
-        return self.graph_logits.clone()
+        cache.seen_tokens += 1
+        return self.logits.clone()
 
-    def _capture(self, step, input_ids, attention_mask):
-        seen, ids = self.seen_tokens, input_ids.clone()
+    def _capture(self, cache, step, input_ids, attention_mask):
+        seen, ids = cache.seen_tokens, input_ids.clone()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 logits = step(ids, attention_mask)
         except RuntimeError as err:  # e.g. a host sync in a path without a CUDA kernel (reference experts)
-            logger.warning(f"KimiK3StaticCache: decode step not capturable, running it eagerly ({err})")
-            self.cuda_graph = False
+            logger.warning(f"Kimi K3: decode step not capturable as a CUDA graph, running it eagerly ({err})")
+            self.failed = True
         else:
-            self.graph, self.graph_ids, self.graph_logits = graph, ids, logits
+            self.graph, self.ids, self.logits = graph, ids, logits
         finally:
-            self.seen_tokens = seen  # capturing ran the Python side of one step without running it on the GPU
+            cache.seen_tokens = seen  # capturing ran the Python side of one step without running it on the GPU
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -953,12 +1075,13 @@ class KimiK3StaticCache(KimiK3Cache):
 class KimiK3TextModel(nn.Module):
     """Embeddings, decoder layers, the output depth mix and final norm (the release's `language_model.model`)."""
 
-    def __init__(self, config, packed_experts):
+    def __init__(self, config, packed_experts, dispatch=None):
         super().__init__()
         self.config = config
+        self.dispatch = dispatch = dispatch or FastPathDispatch()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            KimiK3DecoderLayer(config, i, packed_experts) for i in range(config.num_hidden_layers)
+            KimiK3DecoderLayer(config, i, packed_experts, dispatch) for i in range(config.num_hidden_layers)
         )
         self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output_attn_res_proj = KimiK3AttnResProj(config.hidden_size)
@@ -969,6 +1092,7 @@ class KimiK3TextModel(nn.Module):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        self.dispatch.refresh()
         if use_cache and cache is None:
             cache = KimiK3Cache(self.config)
         length, device = inputs_embeds.shape[1], inputs_embeds.device
@@ -983,7 +1107,8 @@ class KimiK3TextModel(nn.Module):
         for layer in self.layers:
             bank, partial = layer(bank, partial, attention_mask, cache, positions)
         sources = [s.to(partial.device) for s in bank] + [partial]
-        hidden = attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj, self.norm)
+        hidden = attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj, self.norm,
+                              self.dispatch.at(partial.device).fused)
         if cache is not None:
             cache.seen_tokens += inputs_embeds.shape[1]
         return hidden, cache
@@ -995,7 +1120,7 @@ class KimiK3LanguageModel(nn.Module):
     def __init__(self, config, with_head):
         super().__init__()
         text = config.text_config
-        self.model = KimiK3TextModel(text, packed_experts=config.experts_packed)
+        self.model = KimiK3TextModel(text, config.experts_packed, FastPathDispatch(config))
         if with_head:
             self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
 
@@ -1067,6 +1192,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             cls.check_checkpoint(path, config)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                               **kwargs)
+        for device in {p.device for p in model.parameters()} - {torch.device("meta")}:
+            model.language_model.model.dispatch.at(device)  # resolve (and log) the fast paths once per device
         cls._raise_on_key_problems(
             path, info.get("missing_keys", []), info.get("unexpected_keys", []),
             [str(m) for m in info.get("mismatched_keys", [])],
@@ -1237,8 +1364,10 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             hidden, cache = self.language_model.model(ids, inputs_embeds, mask, cache, bool(use_cache))
             return self.language_model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
-        if isinstance(cache, KimiK3StaticCache) and input_ids is not None and input_ids.shape[1] == 1:
-            logits = cache.decode_step(step, input_ids, attention_mask)  # a CUDA-graph replay once warm
+        if (isinstance(cache, KimiK3StaticCache) and cache.cuda_graph and input_ids is not None
+                and input_ids.shape[1] == 1 and self.language_model.model.dispatch.at(input_ids.device).cuda_graphs):
+            cache.decode_graph = cache.decode_graph or KimiK3DecodeGraph()
+            logits = cache.decode_graph(cache, step, input_ids, attention_mask)  # a CUDA-graph replay once warm
         else:
             logits = step(input_ids, attention_mask)
         loss = None

@@ -150,7 +150,7 @@ def _scale_codes(weight: torch.Tensor) -> torch.Tensor:
 
     ``e = floor(log2(amax)) + (mantissa(amax) >= 1.75)`` (the library rounds amax to a power of
     two by adding half an E2M1 mantissa step to its bits), code ``clamp(127 + e - 2, 0, 255)``; an
-    all-zero group gets code 0 (log2(0) = -inf, clamped). SPEC §3 states the same rule.
+    all-zero group gets code 0 (log2(0) = -inf, clamped).
     """
     out_features, in_features = weight.shape
     amax = weight.abs().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE).amax(-1)
@@ -203,7 +203,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def mxfp4_quantization_config(ignore=None) -> dict:
     """The compressed-tensors ``quantization_config`` block of the MXFP4 Kimi K3 checkpoint.
 
-    As SPEC §1 and the public release describe it (one weight-only MXFP4 group, bf16 everywhere
+    As the public release describes it (one weight-only MXFP4 group, bf16 everywhere
     else), except for ``targets``: see ``EXPERT_TARGET``. ``ignore`` replaces the default list
     of ignore regexes when given.
     """

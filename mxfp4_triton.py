@@ -24,8 +24,8 @@ The matrix step (`UPCAST`) turns the nibbles into bf16 MMA operands in registers
   * "manual": an explicit fp32 dequant, then `tl.dot` (what the Triton interpreter runs on CPU in the tests).
 Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
-The model calls `routed_experts`, which returns None when this path does not apply (no triton, experts not packed,
-tensors not on one CUDA device) so that the caller falls back to the reference path, and `stack_experts`, whose
+A block whose `experts` fast path is on calls `routed_experts`, which returns None where its experts cannot take
+it (not on the activations' device) so that the block falls back to its reference, and `stack_experts`, whose
 stacks that reference path reads too.
 """
 
@@ -40,9 +40,6 @@ try:
 except ImportError:  # CPU-only installs: the model uses the reference path
     triton = None
     tl = None
-
-# Set to False to force the reference expert loop (benchmarks and tests compare the two on the same weights).
-ENABLED = True
 
 # Kernel configurations: decode (few pairs) and prefill (many). Each entry: BM, and BN, BK, num_warps, num_stages
 # for the w13 and the w2 kernel (BM must agree between the two: they share the routing metadata); optional keys
@@ -79,9 +76,9 @@ _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: 
 Stack = namedtuple("Stack", "w1 s1 w3 s3 w2 s2 latent inner key lop3_ok")
 
 
-def available(x):
-    """True where the expert kernels would run for activations `x`."""
-    return ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+def supported(device):
+    """True where these kernels can run for activations on `device`."""
+    return triton is not None and torch.device(device).type == "cuda"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -448,10 +445,8 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
 
 def routed_experts(moe, z, ids, weights):
     """The routed-expert terms of a `KimiK3LatentMoE`, fp32 [N, k, L] (weighted; the block sums them) through the
-    Triton kernels, or None where this path does not apply (no triton/CUDA, switched off, experts not on z's
-    device, sizes not multiples of 32)."""
-    if not available(z):
-        return None
+    Triton kernels, for a block whose `experts` fast path is on; None where these experts cannot take it (not on
+    z's device, e.g. offloaded, or sizes not multiples of 32): the block then runs its reference."""
     expert = moe.experts[0]
     latent, inner = expert.w1.in_features, expert.w1.out_features
     if latent % 32 or inner % 32 or expert.w1.weight_packed.device != z.device:

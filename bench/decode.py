@@ -7,7 +7,7 @@ materialises them on the GPU with random weights (MXFP4 packs: random bytes, sca
   * eager: the model's forward on the static cache with graphs off (the fast kernels, launched one by one);
   * graph: the same step replayed from one CUDA graph (`KimiK3StaticCache(cuda_graph=True)`, what generate runs);
   * with --ab, the graph step again with one optional path off at a time, in the same run: the side streams
-    (`modeling_kimi_k3.SIDE_STREAM`), the fused small-op kernels (`fused_triton`), fla-core's KDA decode kernel;
+    (the `side_streams` fast path), the fused small-op kernels (`fused`), fla-core's KDA decode kernel (`kda`);
 each next to the bandwidth floor = bytes the step must move (every non-expert weight, the LM head, one embedding
 row per sequence, the routed experts the router actually picked in that step, KDA state read + write, the MLA
 latents of the real tokens) / device copy bandwidth measured in the same run. With `--profile` it also prints the
@@ -29,13 +29,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import fused_triton  # noqa: E402
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
-from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-import modeling_kimi_k3  # noqa: E402
+from configuration_kimi_k3 import FAST_PATH_DEFAULTS, KimiK3Config  # noqa: E402
 from layer import copy_bandwidth, expert_bytes, nbytes  # noqa: E402  (bench/layer.py)
-from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3StaticCache, MXFP4Linear  # noqa: E402
+from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3StaticCache, MXFP4Linear, resolve_fast_paths  # noqa: E402
 
 GiB = 1 << 30
 
@@ -213,12 +211,7 @@ def compile_blocks():
     kda.kda_gate = torch.compile(kda.kda_gate, dynamic=False)
 
 
-DEFAULTS = dict(fla=kda.ENABLED, side=modeling_kimi_k3.SIDE_STREAM, fused=fused_triton.ENABLED)
-
-
-def set_switches(fla, side, fused):
-    """The optional CUDA paths on or off: fla-core's KDA, the side streams, fused_triton's kernels."""
-    kda.ENABLED, modeling_kimi_k3.SIDE_STREAM, fused_triton.ENABLED = fla, side, fused
+DEFAULTS = dict(FAST_PATH_DEFAULTS)  # the shipped fast-path choices; an A/B mode switches one off
 
 
 def run_modes(model, config, batch, modes, args, bandwidth, results, save):
@@ -230,14 +223,14 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
     max_length = args.context + 2 * args.steps + 8
     try:
         for name, graph, switches in modes:
-            set_switches(**switches)
+            model.language_model.model.dispatch.set(**switches)
             cache = KimiK3StaticCache(model.config, batch, max_length, cuda_graph=graph)
             t0 = time.time()
             prefill(model, cache, prompt, args.chunk)
             prefill_s = time.time() - t0
             warm = 3 if graph else 1  # graph: eager warm-up step, capture step, then replays
             time_steps(model, cache, warm, batch, vocab, gen)
-            if graph and cache.graph is None:
+            if graph and (cache.decode_graph is None or cache.decode_graph.graph is None):
                 entry[name] = {"error": "the step was not captured (see the warning above)"}
                 continue
             times = time_steps(model, cache, args.steps, batch, vocab, gen)
@@ -261,7 +254,7 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
             torch.cuda.empty_cache()
             save()
     finally:
-        set_switches(**DEFAULTS)
+        model.language_model.model.dispatch.set(**DEFAULTS)
         routes.remove()
 
 
@@ -301,7 +294,8 @@ def main(argv=None):
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": layers,
                "layer_types": config.text_config.layer_types[:layers], "context": args.context,
                "gpu_free_GiB_at_start": free / GiB, "weights_GiB": (sum(sizes[:layers]) + fixed) / GiB,
-               "mxfp4_decode_config": mxfp4_triton.CONFIGS["decode"], "kda_fla_default": kda.ENABLED}
+               "mxfp4_decode_config": mxfp4_triton.CONFIGS["decode"],
+               "fast_paths": str(resolve_fast_paths(config.fast_paths, "cuda"))}
 
     def save():
         results["elapsed_s"] = time.time() - started
@@ -320,8 +314,8 @@ def main(argv=None):
     save()
     modes = [("eager", False, DEFAULTS), ("graph", True, DEFAULTS)]
     if args.ab:
-        modes += [(f"graph {off} off", True, dict(DEFAULTS, **{key: False})) for key, off in
-                  (("side", "side streams"), ("fused", "fused small ops"), ("fla", "fla-kda"))]
+        modes += [(f"graph {off} off", True, dict(DEFAULTS, **{key: "off"})) for key, off in
+                  (("side_streams", "side streams"), ("fused", "fused small ops"), ("kda", "fla-kda"))]
     rounds = [modes] + ([[("graph compiled", True, DEFAULTS)]] if args.compile_blocks else [])
     def generate_section():
         prompt = torch.randint(0, config.text_config.vocab_size, (1, args.context), device="cuda")

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import kda  # noqa: E402
-import modeling_kimi_k3  # noqa: E402
+from modeling_kimi_k3 import use_fast_paths  # noqa: E402
 from test_gpu_paths import small_model, teacher_forced  # noqa: E402
 
 COMBINATIONS = {  # Triton experts, fla decode, fla prefill
@@ -27,10 +27,6 @@ COMBINATIONS = {  # Triton experts, fla decode, fla prefill
 }
 
 
-def off(*args):
-    return None
-
-
 def main():
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -39,15 +35,9 @@ def main():
         kda.quick_tune(1)
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device="cuda")
-    experts = modeling_kimi_k3.triton_routed_experts
-    for name, (use_experts, decode, prefill) in COMBINATIONS.items():
-        modeling_kimi_k3.triton_routed_experts = experts if use_experts else off
-        kda.ENABLED, kda.PREFILL = decode or prefill, prefill
-        try:
-            with torch.no_grad():
-                fast = model.generate(prompt, max_new_tokens=64, do_sample=False)
-        finally:
-            modeling_kimi_k3.triton_routed_experts = experts
+    for name, (experts, decode, prefill) in COMBINATIONS.items():
+        with torch.no_grad(), use_fast_paths(model, experts=experts, kda=decode, kda_prefill=prefill):
+            fast = model.generate(prompt, max_new_tokens=64, do_sample=False)
         agree, mean_gap, max_gap = teacher_forced(model, prompt, fast)  # switches everything off itself
         print(f"{name:15s}: argmax agreement {agree:5.0%}, mean gap {mean_gap:.4f}, largest {max_gap:.3f} logit std",
               flush=True)

@@ -15,7 +15,7 @@ then extrapolates to 93 layers (69 KDA + 24 MLA, layer 0's dense MLP counted as 
 prints the implied single-stream TPOT beside the model card's (38.8 ms TPOT, 24.7 tok/s, 8x RTX 6000, SGLang).
 
 Usage: python bench/layer.py --out results.json [--quick] [--budget-s 240]. CUDA only. The reference path is the
-model's own code with the fast paths switched off (`mxfp4_triton.ENABLED`, `kda.ENABLED`, `fused_triton.ENABLED`): experts are
+model's own code with its experts, kda and fused fast paths switched off (the layer's `dispatch`): experts are
 dequantized per call, KDA runs the pure-torch chunked / recurrent forms.
 """
 
@@ -34,12 +34,11 @@ sys.path.insert(0, ROOT)
 if "--smoke" in sys.argv:  # the Triton kernels run in the interpreter on CPU (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import fused_triton  # noqa: E402
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-import modeling_kimi_k3  # noqa: E402
-from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, KimiK3DeltaAttention  # noqa: E402
+from modeling_kimi_k3 import (KimiK3Cache, KimiK3DecoderLayer, KimiK3DeltaAttention, resolve_fast_paths,  # noqa: E402
+                              use_fast_paths)
 
 CARD = {"tpot_ms": 38.8, "tok_s": 24.7, "setup": "8x RTX 6000, SGLang (model card)"}
 KDA_LAYERS, MLA_LAYERS = 69, 24
@@ -188,8 +187,9 @@ def decode_cache(text, layer, batch, seed):
     return cache, reset, state_bytes
 
 
-def set_fast(on):
-    mxfp4_triton.ENABLED = kda.ENABLED = fused_triton.ENABLED = on
+def set_fast(layer, on):
+    """The layer's expert, KDA and fused-op fast paths at their defaults (on) or off (its reference code)."""
+    layer.dispatch.set(**dict.fromkeys(("experts", "kda", "fused"), "auto" if on else "off"))
 
 
 def graph_of(fn, reset):
@@ -210,17 +210,14 @@ def graph_of(fn, reset):
     return graph, out
 
 
-def one_stream(capture, reps, side_out):
-    """Milliseconds a replay of `capture()`'s graph takes with the model's side streams off (everything queued on
+def one_stream(layer, capture, reps, side_out):
+    """Milliseconds a replay of `capture()`'s graph takes with the layer's side streams off (everything queued on
     one stream, in order), and whether its output equals `side_out`, the same step's with them on."""
-    modeling_kimi_k3.SIDE_STREAM = False
-    try:
+    with use_fast_paths(layer, side_streams="off"):
         graph, out = capture()
         graph.replay()
         sync()
         return time_ms(graph.replay, reps), bool(torch.equal(out, side_out))
-    finally:
-        modeling_kimi_k3.SIDE_STREAM = True
 
 
 def bench_decode(text, layer, batch, ceil, reps, seed):
@@ -236,11 +233,11 @@ def bench_decode(text, layer, batch, ceil, reps, seed):
     try:
         with torch.no_grad():
             step = lambda: layer(bank, partial, None, cache)[1]  # noqa: E731
-            set_fast(False)
+            set_fast(layer, False)
             reset()
             ref_out = step()
             res["reference_eager_ms"] = time_ms(step, max(2, reps // 8), setup=reset)
-            set_fast(True)
+            set_fast(layer, True)
             reset()
             fast_out = step()
             unique = recorder.unique()
@@ -259,7 +256,7 @@ def bench_decode(text, layer, batch, ceil, reps, seed):
                 res["fast_graph_ms"] = time_ms(graph.replay, reps)
                 res["graph_fraction_of_floor"] = res["floor_ms"] / res["fast_graph_ms"]
                 del graph
-                res["fast_graph_one_stream_ms"], same = one_stream(lambda: graph_of(step, reset), reps, out)
+                res["fast_graph_one_stream_ms"], same = one_stream(layer, lambda: graph_of(step, reset), reps, out)
                 res["one_stream_output_identical"] = same
             except Exception as err:  # report, keep going
                 res["graph_error"] = repr(err)[:500]
@@ -275,18 +272,18 @@ def bench_decode(text, layer, batch, ceil, reps, seed):
                 graph, out = graph_of(moe_step, lambda: None)
                 res["moe"]["fast_graph_ms"] = time_ms(graph.replay, reps)
                 del graph
-                res["moe"]["fast_graph_one_stream_ms"], same = one_stream(lambda: graph_of(moe_step, lambda: None),
+                res["moe"]["fast_graph_one_stream_ms"], same = one_stream(layer, lambda: graph_of(moe_step, lambda: None),
                                                                           reps, out)
                 res["moe"]["one_stream_output_identical"] = same
             except Exception as err:
                 res["moe"]["graph_error"] = repr(err)[:500]
-            set_fast(False)
+            set_fast(layer, False)
             res["moe"]["reference_eager_ms"] = time_ms(moe_step, max(2, reps // 8))
-            set_fast(True)
+            set_fast(layer, True)
             best = res["moe"].get("fast_graph_ms", res["moe"]["fast_eager_ms"])
             res["moe"]["x_floor"] = best / res["moe"]["floor_ms"]
     finally:
-        set_fast(True)
+        set_fast(layer, True)
         recorder.handle.remove()
     return res
 
@@ -321,13 +318,13 @@ def bench_prefill(text, layer, tokens, ceil, reps, seed, with_reference=True):
     res["floor_ms"] = max(res["flop_floor_ms"], res["bytes_floor_ms"])
     with torch.no_grad():
         step = lambda: layer(bank, partial, None, KimiK3Cache(text))[1]  # noqa: E731
-        set_fast(True)
+        set_fast(layer, True)
         fast_out = step()
         res["fast_ms"] = time_ms(step, reps)
         res["fast_tok_s"] = tokens / (res["fast_ms"] * 1e-3)
         res["fast_fraction_of_floor"] = res["floor_ms"] / res["fast_ms"]
         if with_reference:
-            set_fast(False)
+            set_fast(layer, False)
             try:
                 with Timer() as t:
                     ref_out = step()  # one timed run: the reference is slow and has no compile step to warm up
@@ -337,7 +334,7 @@ def bench_prefill(text, layer, tokens, ceil, reps, seed, with_reference=True):
                     (fast_out.float() - ref_out.float()).norm() / ref_out.float().norm())
                 del ref_out
             finally:
-                set_fast(True)
+                set_fast(layer, True)
     return res
 
 
@@ -460,8 +457,6 @@ def bench_kda_core(tokens, reps, seed):
     A_log = torch.randn(heads, device=DEVICE, generator=gen) * 0.5
     dt_bias = torch.randn(heads * dim, device=DEVICE, generator=gen)
     out = {"tokens": tokens}
-    switches = kda.ENABLED, kda.PREFILL
-    kda.ENABLED = kda.PREFILL = True
     with torch.no_grad():
         g = kda.kda_gate(g_raw, A_log, dt_bias, -5.0)
         with Timer() as t:
@@ -473,14 +468,13 @@ def bench_kda_core(tokens, reps, seed):
             for safe in (None, False):
                 kda.SAFE_GATE = safe
                 run = lambda: kda.kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0,  # noqa: E731
-                                                  dim**-0.5)
+                                                  dim**-0.5, fla=True)
                 o, state = run()
                 out["safe_gate" if safe is None else "no_safe_gate"] = {
                     "ms": time_ms(run, reps), "o_rel_err": float((o.float() - ref_o).norm() / ref_o.norm()),
                     "state_rel_err": float((state - ref_s).norm() / ref_s.norm())}
         finally:
             kda.SAFE_GATE = previous
-            kda.ENABLED, kda.PREFILL = switches
     return out
 
 
@@ -528,7 +522,7 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke run)",
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
                      "fla": _version("fla-core"), "transformers": _version("transformers")},
-        "fast_paths": {"mxfp4_triton": mxfp4_triton.available(torch.empty(0, device=DEVICE)), "kda_fla": kda.available(DEVICE),
+        "fast_paths": {"resolved": str(resolve_fast_paths({}, DEVICE)),
                        "mxfp4_configs": mxfp4_triton.CONFIGS, "upcast": mxfp4_triton.UPCAST,
                        "atomic_combine": mxfp4_triton.ATOMIC_COMBINE,
                        "fla_quick_tune": os.environ.get("KIMI_K3_QUICK_TUNE") == "1"},
@@ -586,8 +580,7 @@ def main(argv=None):
                         totals[name] = sum(r["x_floor"] for r in rows)
                 if totals:
                     best = min(totals, key=totals.get)
-                    mxfp4_triton.CONFIGS["decode"] = DECODE_VARIANTS[best]
-                    results["chosen_decode_config"] = {"name": best, **DECODE_VARIANTS[best]}
+                    results["chosen_decode_config"] = {"name": best, **DECODE_VARIANTS[best]}  # reported, not applied
                 save()
             if kind == "kda" and "psweep" in sections and not over_budget():
                 r = bench_expert_gemms(text, layer, prefill_lengths[-1], ceil, max(3, reps // 5), seed=7,
@@ -598,7 +591,6 @@ def main(argv=None):
                       flush=True)
                 best = choose(r, "ms")
                 if best:
-                    mxfp4_triton.CONFIGS["prefill"] = PREFILL_VARIANTS[best]
                     results["chosen_prefill_config"] = {"name": best, **PREFILL_VARIANTS[best]}
                 results["fast_paths"]["mxfp4_configs_used"] = mxfp4_triton.CONFIGS
                 save()

@@ -8,6 +8,7 @@ the benchmark alike.
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
-    KimiK3AttnResProj, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix)
+    KimiK3AttnResProj, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix,
+    use_fast_paths)
 from reap_tools.tiny import random_model, tiny_config  # noqa: E402
 
 DEVICE = "cuda"
@@ -35,15 +37,11 @@ def rel(a, b):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _switches():
-    """Every fast path on for the kernel checks (fla's prefill kernel is opt-in by default); defaults restored
-    afterwards. Tests that run a whole model set the switches they mean."""
+def _quick_tune():
+    """Blocks run with the default fast paths (everything on CUDA but fla's prefill kernel); tests that compare a
+    path with the reference switch it with `use_fast_paths`."""
     if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
         kda.quick_tune(1)
-    defaults = mxfp4_triton.ENABLED, kda.ENABLED, kda.PREFILL
-    mxfp4_triton.ENABLED = kda.ENABLED = kda.PREFILL = True
-    yield
-    mxfp4_triton.ENABLED, kda.ENABLED, kda.PREFILL = defaults
 
 
 def fill_packs(moe, low=114, high=124, seed=0):
@@ -75,9 +73,8 @@ def test_mxfp4_moe_block_matches_reference(tokens):
     moe = moe_block()
     x = torch.randn(tokens, 192, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
-        mxfp4_triton.ENABLED = False
-        ref = moe(x)
-        mxfp4_triton.ENABLED = True
+        with use_fast_paths(moe, experts="off"):
+            ref = moe(x)
         out = moe(x)
     assert getattr(moe, "_mxfp4_stack", None) is not None, "the Triton path did not run"
     assert rel(out, ref) < BF16_TOL
@@ -103,11 +100,8 @@ def test_fused_router_topk_matches_the_torch_code(experts, top_k):
     x = torch.randn(300, 192, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         ids, weights = moe.gate(x)
-        fused_triton.ENABLED = False
-        try:
+        with use_fast_paths(moe, fused="off"):
             ref_ids, ref_weights = moe.gate(x)
-        finally:
-            fused_triton.ENABLED = True
     assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
     got, ref = weights.gather(-1, ids.argsort(-1)), ref_weights.gather(-1, ref_ids.argsort(-1))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
@@ -200,27 +194,18 @@ def kda_inputs(batch, length, heads=96, dim=128, seed=0):
 
 @pytest.mark.parametrize("length,decode,with_state", [(1, True, True), (100, False, True), (64, False, False)])
 def test_kda_fla_matches_reference(length, decode, with_state):
-    if not kda.available(DEVICE):
+    if not kda.supported(DEVICE):
         pytest.skip("fla-core is not importable here")
     q, k, v, g_raw, beta_raw, A_log, dt_bias, state = kda_inputs(2, length)
     state = state if with_state else None
     args = (q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0, 128**-0.5, state)
     with torch.no_grad():
-        o, s = kda.kda_forward(*args, decode=decode)
+        o, s = kda.kda_forward(*args, decode=decode, fla=True)
         g = kda.kda_gate(g_raw, A_log, dt_bias, -5.0)
         ref_o, ref_s = kda.recurrent_kda(kda.l2norm(q.float()), kda.l2norm(k.float()), v.float(), g,
                                          torch.sigmoid(beta_raw.float()), scale=128**-0.5, initial_state=state)
     print(f"kda T={length} decode={decode} state={with_state}: o {rel(o, ref_o):.2e}, state {rel(s, ref_s):.2e}")
     assert rel(o, ref_o) < BF16_TOL and rel(s, ref_s) < BF16_TOL
-
-
-def torch_path(fn, *args):
-    """`fn(*args)` with fused_triton's kernels off: the model's own torch code."""
-    fused_triton.ENABLED = False
-    try:
-        return fn(*args)
-    finally:
-        fused_triton.ENABLED = True
 
 
 def max_rel(a, b):
@@ -240,8 +225,8 @@ def test_fused_depth_mix_matches_torch(n, rows):
         for module in (norm, out_norm):
             module.weight.uniform_(0.5, 1.5, generator=gen)
         proj.weight.normal_(0.0, 0.05, generator=gen)
-        fused = attn_res_mix(sources, norm, proj, out_norm)
-        ref = torch_path(attn_res_mix, sources, norm, proj, out_norm)
+        fused = attn_res_mix(sources, norm, proj, out_norm, fused=True)
+        ref = attn_res_mix(sources, norm, proj, out_norm)
     err = max_rel(fused, ref)
     print(f"fused depth mix n={n} rows={rows}: max diff {err:.1e} of max |ref|")
     assert fused.dtype == ref.dtype and fused.shape == ref.shape and err <= 2 ** -7
@@ -294,17 +279,15 @@ def small_model():
     return model.to(DEVICE, torch.bfloat16)
 
 
+REFERENCE = dict.fromkeys(("experts", "kda", "kda_prefill", "fused", "side_streams", "cuda_graphs"), "off")
+
+
 def teacher_forced(model, prompt, generated):
     """Run the reference paths (no cache) over `generated`; per generated token, its logit's shortfall below the
     reference's argmax in logit standard deviations (0 where the reference would have picked it too). Returns
     (share of steps at 0, mean shortfall, largest shortfall)."""
-    switches = mxfp4_triton.ENABLED, kda.ENABLED, fused_triton.ENABLED
-    mxfp4_triton.ENABLED = kda.ENABLED = fused_triton.ENABLED = False
-    try:
-        with torch.no_grad():
-            logits = model(generated[:, :-1]).logits[:, prompt.shape[1] - 1:].float()
-    finally:
-        mxfp4_triton.ENABLED, kda.ENABLED, fused_triton.ENABLED = switches
+    with torch.no_grad(), use_fast_paths(model, **REFERENCE):
+        logits = model(generated[:, :-1]).logits[:, prompt.shape[1] - 1:].float()
     chosen = generated[:, prompt.shape[1]:]
     gap = (logits.max(-1).values - logits.gather(-1, chosen[..., None])[..., 0]) / logits.std(-1)
     return float((gap == 0).float().mean()), gap.mean().item(), gap.max().item()
@@ -321,22 +304,18 @@ MIN_AGREEMENT, MAX_MEAN_GAP = 0.8, 0.05
 
 @pytest.mark.parametrize("fla", ["off", "decode", "all"])
 def test_greedy_64_steps_fast_vs_reference(fla):
-    """fla's KDA kernels off, for the decode steps only (the default), or for prefill too (opt-in: kda.PREFILL)."""
-    if fla != "off" and not kda.available(DEVICE):
+    """fla's KDA kernels off, for the decode steps only (the default), or for prefill too (opt-in: kda_prefill)."""
+    if fla != "off" and not kda.supported(DEVICE):
         pytest.skip("fla-core is not importable here")
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device=DEVICE)
     steps = 64
-    defaults = kda.ENABLED, kda.PREFILL
     with torch.no_grad():
-        kda.ENABLED, kda.PREFILL = fla != "off", fla == "all"
-        mxfp4_triton.ENABLED = True
-        fast = model.generate(prompt, max_new_tokens=steps, do_sample=False)
-        mxfp4_triton.ENABLED = kda.ENABLED = fused_triton.ENABLED = False
-        ref = model.generate(prompt, max_new_tokens=steps, do_sample=False)
+        with use_fast_paths(model, kda=fla != "off", kda_prefill=fla == "all"):
+            fast = model.generate(prompt, max_new_tokens=steps, do_sample=False)
+        with use_fast_paths(model, **REFERENCE):
+            ref = model.generate(prompt, max_new_tokens=steps, do_sample=False)
         agree, mean_gap, max_gap = teacher_forced(model, prompt, fast)
-    mxfp4_triton.ENABLED = fused_triton.ENABLED = True
-    kda.ENABLED, kda.PREFILL = defaults
     same = int((fast[0] == ref[0]).int().cumprod(0).sum()) - prompt.shape[1]
     print(f"greedy (fla KDA {fla}): {same}/{steps} leading tokens identical to the reference's own greedy run; "
           f"teacher-forced, the reference's argmax is the fast path's token at {agree:.0%} of steps, mean gap "
@@ -346,16 +325,14 @@ def test_greedy_64_steps_fast_vs_reference(fla):
 
 def test_fla_kda_matches_reference_on_the_model_activations():
     """Each KDA call of a small bf16 model (prefill, then decode steps) run both ways on the same inputs."""
-    if not kda.available(DEVICE):
+    if not kda.supported(DEVICE):
         pytest.skip("fla-core is not importable here")
     model = small_model()
     errors = []
 
     def both(*args, **kwargs):
-        kda.ENABLED = False
-        ref_o, ref_s = kda.kda_forward(*args, **kwargs)
-        kda.ENABLED = True
-        o, s = kda.kda_forward(*args, **kwargs)
+        ref_o, ref_s = kda.kda_forward(*args, **{**kwargs, "fla": False})
+        o, s = kda.kda_forward(*args, **{**kwargs, "fla": True})
         errors.append((args[0].shape[1], rel(o, ref_o), rel(s, ref_s)))
         return o, s
 
@@ -367,7 +344,6 @@ def test_fla_kda_matches_reference_on_the_model_activations():
             model.generate(prompt, max_new_tokens=6, do_sample=False)
     finally:
         modeling_kimi_k3.kda_forward = original
-        kda.ENABLED = True
     worst = max(errors, key=lambda e: max(e[1:]))
     print(f"fla kda in model: {len(errors)} calls, worst (T, o, state) = {worst}")
     assert all(o < BF16_TOL and s < BF16_TOL for _, o, s in errors), errors
@@ -375,26 +351,22 @@ def test_fla_kda_matches_reference_on_the_model_activations():
 
 @pytest.mark.parametrize("fla", [False, True])
 def test_static_cache_graph_decode_matches_eager(fla):
-    if fla and not kda.available(DEVICE):
+    if fla and not kda.supported(DEVICE):
         pytest.skip("fla-core is not importable here")
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],
                           device=DEVICE)
     mask = torch.ones_like(prompt)
     mask[1, :4] = 0
-    defaults = kda.ENABLED, kda.PREFILL
-    kda.ENABLED, kda.PREFILL = fla, False  # the defaults, or the reference KDA throughout
-    try:
-        with torch.no_grad():
-            runs = {}
-            for graph in (False, True):
-                cache = KimiK3StaticCache(model.config, batch_size=2, max_length=48, cuda_graph=graph)
-                runs[graph] = model.generate(prompt, attention_mask=mask, max_new_tokens=32, do_sample=False,
-                                             cache=cache)
-                assert (cache.graph is not None) == graph
-        agree, mean_gap, max_gap = teacher_forced(model, prompt[:1], runs[True][:1])  # the unpadded row
-    finally:
-        kda.ENABLED, kda.PREFILL = defaults
+    with torch.no_grad(), use_fast_paths(model, kda=fla):  # the defaults, or the reference KDA throughout
+        runs = {}
+        for graph in (False, True):
+            cache = KimiK3StaticCache(model.config, batch_size=2, max_length=48, cuda_graph=graph)
+            runs[graph] = model.generate(prompt, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                                         cache=cache)
+            captured = cache.decode_graph is not None and cache.decode_graph.graph is not None
+            assert captured == graph
+    agree, mean_gap, max_gap = teacher_forced(model, prompt[:1], runs[True][:1])  # the unpadded row
     print(f"static-cache graph decode (fla KDA {fla}): identical to eager static: {torch.equal(runs[True], runs[False])}; "
           f"teacher-forced reference argmax agreement {agree:.0%}, mean gap {mean_gap:.4f}, largest {max_gap:.3f}")
     assert torch.equal(runs[True], runs[False])
@@ -407,19 +379,77 @@ def test_side_streams_change_nothing():
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device=DEVICE)
     runs = {}
-    try:
-        for side in (False, True):
-            modeling_kimi_k3.SIDE_STREAM = side
-            with torch.no_grad():
-                cache = KimiK3StaticCache(model.config, batch_size=1, max_length=40, cuda_graph=True)
-                first = model(prompt, past_key_values=cache, use_cache=True).logits
-                tokens = model.generate(prompt, max_new_tokens=24, do_sample=False,
-                                        cache=model.make_static_cache(1, 40))
-            runs[side] = first, tokens
-    finally:
-        modeling_kimi_k3.SIDE_STREAM = True
+    for side in (False, True):
+        with torch.no_grad(), use_fast_paths(model, side_streams=side):
+            cache = KimiK3StaticCache(model.config, batch_size=1, max_length=40, cuda_graph=True)
+            first = model(prompt, past_key_values=cache, use_cache=True).logits
+            tokens = model.generate(prompt, max_new_tokens=24, do_sample=False,
+                                    cache=model.make_static_cache(1, 40))
+        runs[side] = first, tokens
     print(f"side streams: prefill logits identical {torch.equal(runs[True][0], runs[False][0])}, graph-decoded "
           f"tokens identical {torch.equal(runs[True][1], runs[False][1])}")
     assert modeling_kimi_k3._side_streams, "no side stream was used"
     assert torch.equal(runs[True][0], runs[False][0])
     assert torch.equal(runs[True][1], runs[False][1])
+
+
+def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(tmp_path):
+    """demo/reap20 with the repository's code, loaded with trust_remote_code onto the GPU: by default every path
+    but fla's prefill is on; `fast_paths={path: "off"}` at load is logged and the blocks then take the reference."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = tmp_path / "reap20"
+    shutil.copytree(os.path.join(root, "demo", "reap20"), folder, ignore=shutil.ignore_patterns("*.py"))
+    for name in os.listdir(root):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(root, name), folder / name)
+
+    def run(requested):
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.bfloat16,
+                                                     fast_paths=requested).to(DEVICE)
+        code = sys.modules[type(model).__module__]
+        taken = dict.fromkeys(("experts", "kda", "fused", "side_streams"), 0)
+        originals = code.triton_routed_experts, code.kda_forward, code.fused_attn_res_mix, code.SideBranch.__enter__
+
+        def experts(*args):
+            taken["experts"] += 1
+            return originals[0](*args)
+
+        def kda_forward(*args, **kwargs):
+            taken["kda"] += bool(kwargs.get("fla"))
+            return originals[1](*args, **kwargs)
+
+        def mix(*args):
+            taken["fused"] += 1
+            return originals[2](*args)
+
+        def enter(branch):
+            taken["side_streams"] += branch.side is not None
+            return originals[3](branch)
+
+        code.triton_routed_experts, code.kda_forward, code.fused_attn_res_mix = experts, kda_forward, mix
+        code.SideBranch.__enter__ = enter
+        try:
+            model.generation_config.eos_token_id = None
+            with torch.no_grad():
+                cache = model.make_static_cache(1, 16)
+                model.generate(torch.tensor([[5, 17, 9, 33]], device=DEVICE), max_new_tokens=6, do_sample=False,
+                               cache=cache)
+        finally:
+            code.triton_routed_experts, code.kda_forward, code.fused_attn_res_mix = originals[:3]
+            code.SideBranch.__enter__ = originals[3]
+        taken["cuda_graphs"] = int(cache.decode_graph is not None and cache.decode_graph.graph is not None)
+        return str(model.language_model.model.dispatch.at(torch.device(DEVICE, torch.cuda.current_device()))), taken
+
+    resolved, taken = run({})
+    print(f"remote-code model, defaults: {resolved}; calls {taken}")
+    assert resolved == "experts=on, kda=on, kda_prefill=off, fused=on, side_streams=on, cuda_graphs=on"
+    assert all(taken.values()), taken
+    for path in taken:
+        resolved, off = run({path: "off"})
+        print(f"remote-code model, {path} off: {resolved}; calls {off}")
+        assert f"{path}=off" in resolved
+        assert off[path] == 0 and all(off[p] for p in off if p != path), (path, off)

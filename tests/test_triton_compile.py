@@ -2,7 +2,8 @@
 constexprs its real call site passes.
 
 The dispatch code runs on CPU tensors at the release's widths (the model's own blocks calling `mxfp4_triton` and
-`fused_triton`, their availability checks answered yes) with each kernel's launch replaced by a recorder. Triton's
+`fused_triton`, every fast path resolved as on unless a call switches it off) with each kernel's launch replaced
+by a recorder. Triton's
 own binder then turns each recorded call into the signature, constexprs and alignment attributes that a launch on
 the GPU would compile (as `JITFunction.run` does), and Triton's front end, passes and ptxas run on the host. So a
 dtype or constexpr mismatch between a call site and a kernel (an int64 pointer where the kernel was only ever
@@ -29,8 +30,8 @@ import fused_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import (KimiK3AttnResProj, KimiK3DeltaAttention, KimiK3LatentMoE, KimiK3RMSNorm,  # noqa: E402
-                              KimiK3StaticCache, attn_res_mix)
+from modeling_kimi_k3 import (FastPaths, KimiK3AttnResProj, KimiK3DeltaAttention, KimiK3LatentMoE,  # noqa: E402
+                              KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix, use_fast_paths)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SM90 = GPUTarget("cuda", 90, 32)
@@ -91,8 +92,7 @@ def recorded():
     try:
         for module, name in launched_kernels():
             patch.setattr(module, name, Recorder(name, getattr(module, name), calls))
-        patch.setattr(mxfp4_triton, "available", lambda x: True)
-        patch.setattr(modeling_kimi_k3, "fused_available", lambda x: True)
+        patch.setattr(modeling_kimi_k3, "resolve_fast_paths", every_path_unless_off)
         text = release_text_config()
         torch.manual_seed(0)
         with torch.no_grad():
@@ -108,6 +108,11 @@ def recorded():
     return unique
 
 
+def every_path_unless_off(requested, device):
+    """Stands in for `resolve_fast_paths` on CPU: every path on, unless the request says "off"."""
+    return FastPaths(**{f: (requested or {}).get(f) != "off" for f in FastPaths.__dataclass_fields__})
+
+
 def _describe(value):
     return (str(value.dtype), value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else repr(value)
 
@@ -120,8 +125,7 @@ def record_moe(text):
     for tokens in (1, 3, 64):
         flat = torch.randn(tokens, text.hidden_size).to(torch.bfloat16)
         moe.gate(flat)  # recorded: the fused top-k (its outputs are not written)
-        with pytest.MonkeyPatch.context() as torch_router:
-            torch_router.setattr(modeling_kimi_k3, "fused_available", lambda x: False)
+        with use_fast_paths(moe, fused="off"):
             ids, weights = moe.gate(flat)  # real ids for the expert dispatch, from the torch router
         z = moe.routed_expert_down_proj(flat)
         for lop3 in (True, False):
@@ -131,7 +135,8 @@ def record_moe(text):
             pairs = mxfp4_triton.routed_experts(moe, z, ids, weights)
             assert pairs is not None and pairs.dtype == torch.float32
             assert mxfp4_triton.stack_experts(moe).lop3_ok is lop3
-        moe.normed_sum(torch.randn(tokens, text.num_experts_per_token, text.routed_expert_hidden_size), z.dtype)
+        moe.normed_sum(torch.randn(tokens, text.num_experts_per_token, text.routed_expert_hidden_size), z.dtype,
+                       fused=True)
 
 
 def record_attn_res_mix(text):
@@ -143,7 +148,7 @@ def record_attn_res_mix(text):
         module.to(torch.bfloat16)
     for sources, tokens in ((2, 1), (blocks + 1, 1), (blocks + 1, 16)):
         attn_res_mix([torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16) for _ in range(sources)],
-                     norm, proj, out_norm)
+                     norm, proj, out_norm, fused=True)
 
 
 def record_short_convs(text):
@@ -157,12 +162,12 @@ def record_short_convs(text):
     def projected(tokens):
         return tuple(torch.randn(1, tokens, width).to(torch.bfloat16) for _ in range(3))
 
-    _, histories = attn.short_convs(projected(7), None, False)
-    attn.short_convs(projected(1), histories, False)
+    _, histories = attn.short_convs(projected(7), None, False, fused=True)
+    attn.short_convs(projected(1), histories, False, fused=True)
     cache = KimiK3StaticCache(text, batch_size=1, max_length=16, cuda_graph=False)
     layer = cache.layers[0]
     layer.update(histories, torch.zeros(1, attn.num_heads, attn.head_dim, attn.head_dim))
-    attn.short_convs(projected(1), layer.conv_states, layer.in_place)
+    attn.short_convs(projected(1), layer.conv_states, layer.in_place, fused=True)
 
 
 def test_every_launched_kernel_is_recorded(recorded):

@@ -1,0 +1,166 @@
+"""One dispatch for the optional fast paths: `config.fast_paths` (a `from_pretrained` keyword, saved in config.json)
+says per path "auto" / "on" / "off"; `resolve_fast_paths` turns it into what each device runs, once per device, with
+one log line; blocks read that, not module globals. On the CPU every path resolves off except the fused kernels in
+Triton's interpreter, which is how this file checks that a switch reaches a model loaded with trust_remote_code."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from configuration_kimi_k3 import FAST_PATH_DEFAULTS, KimiK3Config
+from modeling_kimi_k3 import FastPaths, resolve_fast_paths, use_fast_paths
+from reap_tools.tiny import random_model, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "demo", "reap20")
+
+
+def test_auto_on_the_cpu_is_the_reference():
+    assert resolve_fast_paths({}, "cpu") == FastPaths()
+    assert str(FastPaths()) == ", ".join(f"{path}=off" for path in FAST_PATH_DEFAULTS)
+
+
+@pytest.mark.parametrize("path", sorted(FAST_PATH_DEFAULTS))
+def test_on_where_a_path_cannot_run_is_an_error_naming_it(path):
+    with pytest.raises(ValueError, match=rf"fast_paths\['{path}'\] is 'on', but it needs"):
+        resolve_fast_paths({path: "on"}, "cpu")
+
+
+def test_unknown_paths_and_choices_are_errors_naming_them():
+    with pytest.raises(ValueError, match="unknown path.*'experts_kernel'"):
+        KimiK3Config(fast_paths={"experts_kernel": "off"})
+    with pytest.raises(ValueError, match=r"fast_paths\['kda'\] is 'maybe'"):
+        resolve_fast_paths({"kda": "maybe"}, "cpu")
+
+
+def test_the_environment_overrides_the_config(monkeypatch):
+    monkeypatch.setenv("KIMI_K3_FAST_PATHS", "experts=on")
+    with pytest.raises(ValueError, match="experts"):
+        resolve_fast_paths({"experts": "off"}, "cpu")
+
+
+def test_config_spells_every_path_and_saves_it(tmp_path):
+    config = KimiK3Config(fast_paths={"experts": False, "fused": "off"})
+    assert config.fast_paths == {**FAST_PATH_DEFAULTS, "experts": "off", "fused": "off"}
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["fast_paths"]["fused"] == "off"
+    assert KimiK3Config.from_pretrained(tmp_path).fast_paths["experts"] == "off"
+
+
+def test_use_fast_paths_restores_the_previous_choices():
+    model = random_model(tiny_config(packed=True), seed=0)
+    dispatch = model.language_model.model.dispatch
+    assert all(layer.dispatch is dispatch for layer in model.language_model.model.layers)  # one per model
+    with use_fast_paths(model, fused="off", kda=False):
+        assert dispatch.overrides == {"fused": "off", "kda": False}
+        with use_fast_paths(model, fused="auto"):
+            assert dispatch.overrides == {"fused": "auto", "kda": False}
+        assert dispatch.overrides == {"fused": "off", "kda": False}
+    assert dispatch.overrides == {}
+
+
+REMOTE = textwrap.dedent(
+    """
+    import json, logging, sys
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "fast paths" in record.getMessage():
+                lines.append(record.getMessage())
+
+    hf_logging.set_verbosity_info()
+    hf_logging.get_logger().addHandler(Keep())
+    folder, requested = sys.argv[1], json.loads(sys.argv[2])
+    kwargs = {"fast_paths": requested} if requested is not None else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs)
+    code = sys.modules[type(model).__module__]  # the remote-code copy transformers imported, not the repository's
+    calls = {"fused": 0}
+    mix = code.fused_attn_res_mix
+
+    def counted(*args, **kw):
+        calls["fused"] += 1
+        return mix(*args, **kw)
+
+    code.fused_attn_res_mix = counted
+    with torch.no_grad():
+        model(torch.tensor([[5, 17, 9, 33]]))
+    print("RESULT " + json.dumps({"lines": lines, "calls": calls, "config": model.config.fast_paths,
+                                  "module": code.__name__}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def remote_folder(tmp_path_factory):
+    """demo/reap20 with the repository's current code, loaded from a folder as the hub would serve it."""
+    folder = tmp_path_factory.mktemp("remote") / "reap20"
+    shutil.copytree(DEMO, folder, ignore=shutil.ignore_patterns("*.py"))
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), folder / name)
+    return folder
+
+
+def load_and_run(folder, requested, tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env.pop("KIMI_K3_FAST_PATHS", None)
+    done = subprocess.run([sys.executable, "-c", REMOTE, str(folder), json.dumps(requested)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_a_switch_reaches_a_model_loaded_with_trust_remote_code(remote_folder, tmp_path):
+    default = load_and_run(remote_folder, None, tmp_path)
+    off = load_and_run(remote_folder, {"fused": "off"}, tmp_path)
+    assert default["module"].startswith("transformers_modules")
+    # the choice, logged once at load for the model's device, then the path the blocks took
+    assert default["lines"] == ["Kimi K3 fast paths on cpu: experts=off, kda=off, kda_prefill=off, fused=on, "
+                                "side_streams=off, cuda_graphs=off"]
+    assert default["calls"]["fused"] > 0
+    assert off["lines"] == ["Kimi K3 fast paths on cpu: experts=off, kda=off, kda_prefill=off, fused=off, "
+                            "side_streams=off, cuda_graphs=off"]
+    assert off["calls"]["fused"] == 0
+    assert off["config"]["fused"] == "off"
+
+
+ON_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from transformers import AutoModelForCausalLM
+
+    errors = {}
+    for path in json.loads(sys.argv[2]):
+        try:
+            AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, fast_paths={path: "on"})
+        except ValueError as err:
+            errors[path] = str(err)
+    print("RESULT " + json.dumps(errors))
+    """
+)
+
+
+def test_on_for_a_cuda_path_fails_at_load_naming_it(remote_folder, tmp_path):
+    paths = ["experts", "kda", "kda_prefill", "side_streams", "cuda_graphs"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env.pop("KIMI_K3_FAST_PATHS", None)
+    done = subprocess.run([sys.executable, "-c", ON_SCRIPT, str(remote_folder), json.dumps(paths)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert sorted(errors) == sorted(paths)
+    for path, message in errors.items():
+        assert f"fast_paths['{path}'] is 'on', but it needs" in message
