@@ -9,6 +9,8 @@ import inspect
 from transformers import PretrainedConfig
 
 MXFP4_GROUP_SIZE = 32
+# The top-level class name of the published release, which SGLang and vLLM dispatch on.
+RELEASE_ARCHITECTURE = "KimiK3ForConditionalGeneration"
 _LINEAR_ATTN_DEFAULTS = {
     "num_heads": 96,
     "head_dim": 128,
@@ -286,7 +288,7 @@ class KimiK3Config(PretrainedConfig):
     """Top-level release config: `text_config` plus token ids, `auto_map` and the compressed-tensors block.
 
     `quantization_config` is kept under the internal name `expert_quantization` and written back under its release
-    name by `to_dict`: the routed experts stay packed in our own modules, and hiding the block keeps transformers'
+    name, inside `text_config`, by `to_dict`: the routed experts stay packed in our own modules, and hiding the block keeps transformers'
     compressed-tensors loader (which only understands `nn.Linear` and would decompress to bf16) out of the way.
     The release allows the block at the top level or inside `text_config`; both are read.
     `fast_paths` (ours) chooses the optional CUDA implementations (`FAST_PATH_DEFAULTS`); as a `from_pretrained`
@@ -335,11 +337,15 @@ class KimiK3Config(PretrainedConfig):
         return self.text_config
 
     def to_dict(self):
+        """The release layout: the parent's architecture name (engines pick their model class by it; `auto_map`
+        points Transformers at ours) and the compressed-tensors block inside `text_config`, where the parent
+        keeps it."""
         output = super().to_dict()
+        output["architectures"] = [RELEASE_ARCHITECTURE]
         output["text_config"] = self.text_config.release_dict()
         quantization = output.pop("expert_quantization", None)
         if quantization is not None:
-            output["quantization_config"] = quantization
+            output["text_config"]["quantization_config"] = quantization
         return output
 
 

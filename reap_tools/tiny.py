@@ -8,12 +8,18 @@ import os
 import shutil
 import tempfile
 
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
 import torch
 
 from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from mxfp4 import mxfp4_quantization_config
+from reap_tools.checkpoint import CONFIG_NAME, INDEX_NAME, load_tensors, read_json, write_json
 from reap_tools.cli import ArgumentParser, fail
+from reap_tools.release_layout import tiny_vision_config, to_release_layout, vision_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kda.py", "mxfp4.py", "mxfp4_triton.py",
@@ -88,8 +94,10 @@ def copy_model_code(dst):
         shutil.copyfile(os.path.join(ROOT, name), os.path.join(dst, name))
 
 
-def write_checkpoint(dst, model=None, packed=True, seed=0, max_shard_size=None, **text_overrides):
-    """Save `model` (or a fresh random tiny one) in the release layout at `dst`, atomically (temp dir + rename)."""
+def write_checkpoint(dst, model=None, packed=True, seed=0, max_shard_size=None, vision=False, **text_overrides):
+    """Save `model` (or a fresh random tiny one) in the parent's release layout at `dst`, atomically (temp dir +
+    rename). With `vision`, small MoonViT tensors (`vision_tower.*`, `mm_projector.*`) go in a shard of their own,
+    as in the parent."""
     if os.path.exists(dst):
         raise FileExistsError(f"{dst}: already exists")
     model = model if model is not None else random_model(tiny_config(packed, **text_overrides), seed)
@@ -99,12 +107,35 @@ def write_checkpoint(dst, model=None, packed=True, seed=0, max_shard_size=None, 
     try:
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
+        config_path = os.path.join(tmp, CONFIG_NAME)
+        vision_config = tiny_vision_config(model.config.text_config.hidden_size)
+        write_json(Path(config_path), to_release_layout(read_json(Path(config_path)), vision_config))
+        if vision:
+            _add_vision_shard(tmp, vision_tensors(vision_config, seed))
         copy_model_code(tmp)
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _add_vision_shard(directory, tensors):
+    """Write `tensors` as one more shard and list it in the index (made here when the folder had one file)."""
+    index_path = os.path.join(directory, INDEX_NAME)
+    if os.path.exists(index_path):
+        index = read_json(Path(index_path))
+    else:
+        single = os.path.join(directory, "model.safetensors")
+        os.rename(single, os.path.join(directory, "model-00001-of-00002.safetensors"))
+        names = safetensors.safe_open(os.path.join(directory, "model-00001-of-00002.safetensors"), "pt").keys()
+        index = {"metadata": {"total_size": 0}, "weight_map": dict.fromkeys(names, "model-00001-of-00002.safetensors")}
+    shard = "model-vision.safetensors"
+    safetensors.torch.save_file(tensors, os.path.join(directory, shard), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, shard))
+    write_json(Path(index_path), index)
+    index["metadata"]["total_size"] = sum(t.nbytes for t in load_tensors(directory).values())
+    write_json(Path(index_path), index)
 
 
 def main(argv=None):

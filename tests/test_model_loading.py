@@ -30,7 +30,8 @@ def test_round_trip_in_a_fresh_process(tmp_path):
         assert os.path.exists(os.path.join(directory, name)), name
     config = json.load(open(os.path.join(directory, "config.json")))
     assert set(config["auto_map"]) >= {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
-    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert config["architectures"] == ["KimiK3ForConditionalGeneration"] and "quantization_config" not in config
+    assert config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
     assert config["text_config"]["model_type"] == "kimi_linear"
     with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
         keys = set(f.keys())
