@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import inspect
 import json
+import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -441,12 +442,8 @@ def _render(
     return out
 
 
-# Appended to the continued text and cut off again: marks where an open-ended final message stops.
-_CONTINUE_MARK = "\x00KIMI_K3_CONTINUE\x00"
-
-
-def _mark_final_message(messages: list[Mapping], key: str) -> list[Mapping]:
-    """Copy `messages` with _CONTINUE_MARK after the final message's `key` text (last text part)."""
+def _mark_final_message(messages: list[Mapping], key: str, mark: str) -> list[Mapping]:
+    """Copy `messages` with `mark` after the final message's `key` text (last text part)."""
     final = dict(messages[-1])
     value = final.get(key)
     if isinstance(value, (list, tuple)):
@@ -454,10 +451,10 @@ def _mark_final_message(messages: list[Mapping], key: str) -> list[Mapping]:
         text_parts = [part for part in parts if "text" in part]
         if not text_parts:
             raise ValueError("continue_final_message is set but the final message has no text to continue")
-        text_parts[-1]["text"] += _CONTINUE_MARK
+        text_parts[-1]["text"] += mark
         final[key] = parts
     else:
-        final[key] = ("" if value is None else str(value)) + _CONTINUE_MARK
+        final[key] = ("" if value is None else str(value)) + mark
     return [*messages[:-1], final]
 
 
@@ -499,10 +496,13 @@ def render_chat(
     if not continue_final_message:
         return list(_render(list(messages), tools, think, effort, add_generation_prompt, extras))
     key = "content" if continue_final_message is True else continue_final_message
-    segments = _render(_mark_final_message(list(messages), key), tools, think, effort, False, extras)
+    # Where the final message stops: a mark appended to its text and cut off again, new for every
+    # call so that no message text can contain it and move the cut.
+    mark = f"\x00{secrets.token_hex(16)}\x00"
+    segments = _render(_mark_final_message(list(messages), key, mark), tools, think, effort, False, extras)
     for i, segment in enumerate(segments):
-        if _CONTINUE_MARK in segment.text:
-            head = segment.text.split(_CONTINUE_MARK)[0]
+        if mark in segment.text:
+            head = segment.text.split(mark)[0]
             return [*segments[:i], *([Segment(head, False)] if head else [])]
     raise ValueError(f"continue_final_message: the final message's {key!r} text is not rendered")
 
@@ -557,6 +557,12 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         clean_up_tokenization_spaces: bool = False,
         **kwargs,
     ):
+        if vocab_file is None or not Path(vocab_file).is_file():
+            folder = kwargs.get("name_or_path") or (Path(vocab_file).parent if vocab_file else "the tokenizer folder")
+            raise ValueError(  # not an OSError: transformers replaces those by a message that names no file
+                f"{VOCAB_FILE} is missing in {folder}: the tokenizer needs the BPE rank file of the Kimi K3 release; "
+                f"copy `{VOCAB_FILE}` from the moonshotai/Kimi-K3 repository on the Hugging Face Hub into that folder"
+            )
         self.vocab_file = vocab_file
         ranks = load_rank_file(vocab_file)
         self.num_ranks = len(ranks)
