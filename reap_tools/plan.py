@@ -181,6 +181,11 @@ def _initial(scores: np.ndarray, norms: np.ndarray, n: int, protect: int) -> lis
     return chosen + rest[:max(0, n - len(chosen))]
 
 
+NON_UNIFORM_NOTE = ("note: the layers keep different numbers of experts. Transformers (this repo's remote code) "
+                    "loads that; SGLang and vLLM size every MoE layer from one num_experts and do not: only uniform "
+                    "prunes (-n N) serve there.")
+
+
 def plan_selection(report: dict, *, num_experts: int | None = None, budget: int | None = None,
                    min_per_layer: int | None = None, criterion: str = "reap", seed: int = 0,
                    protect_super: int = 0, report_path: str | Path | None = None) -> dict:
@@ -334,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = sorted({len(v) for v in selection["layers"].values()})
         print(f"wrote {args.output}: {args.criterion}, {len(selection['layers'])} MoE layers keep "
               f"{counts[0] if len(counts) == 1 else f'{counts[0]}..{counts[-1]}'} experts")
+        if len(counts) > 1:
+            print(NON_UNIFORM_NOTE)
         if heatmap is not None:
             write_heatmap(report, selection, heatmap, args.seed)
             print(f"wrote {heatmap}")

@@ -155,3 +155,17 @@ def test_engines_own_config_classes_read_the_checkpoint(name, pruned):
         assert parsed.quantization_config["config_groups"]["group_0"]["targets"] == ["Linear"], engine
         assert parsed.media_placeholder_token_id == config["media_placeholder_token_id"], engine
         assert parsed.vision_config.text_hidden_size == text["hidden_size"], engine
+
+
+@pytest.mark.parametrize("args, says", [(["--budget", "13"], True), (["-n", "4"], False)])
+def test_plan_says_non_uniform_prunes_do_not_serve_on_the_engines(tmp_path, capsys, args, says):
+    from test_plan import make_report
+
+    from reap_tools.plan import NON_UNIFORM_NOTE, main
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(make_report(experts=8, top_k=2)))
+    assert main([str(report), "-o", str(tmp_path / "sel.json"), *args]) == 0
+    out = capsys.readouterr().out
+    assert (NON_UNIFORM_NOTE in out) == says
+    assert ("SGLang and vLLM size every MoE layer from one num_experts" in out) == says
