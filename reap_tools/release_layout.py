@@ -98,6 +98,7 @@ def to_release_layout(config: dict, vision_config: dict | None = None) -> dict:
     config["architectures"] = [RELEASE_ARCHITECTURE]
     if config.pop("quantization_config", None) or text.get("quantization_config"):
         text["quantization_config"] = release_quantization_config()  # the one format the model runs (MXFP4)
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))  # engines read it here
     bos = config.get("bos_token_id", text.get("bos_token_id"))
     config.setdefault("media_placeholder_token_id", bos + MEDIA_PLACEHOLDER_OFFSET)
     config.setdefault("ignore_index", -100)

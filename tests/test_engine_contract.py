@@ -117,7 +117,10 @@ def load_engine_config(wheel_glob, package, modules, stubs):
                 code = wheel.read(module.replace(".", "/") + ".py").decode()
                 mod = types.ModuleType(module)
                 sys.modules[module] = mod
-                exec(compile(code, f"{wheels[0].name}/{module}", "exec"), mod.__dict__)
+                try:
+                    exec(compile(code, f"{wheels[0].name}/{module}", "exec"), mod.__dict__)
+                except ImportError as e:  # vLLM 0.33 needs transformers 5 (PreTrainedConfig)
+                    pytest.skip(f"{package}'s {module} does not import with this transformers: {e}")
                 loaded[module] = mod
         return loaded[modules[-1]]
     finally:
