@@ -11,13 +11,19 @@ reasoning and tool-call parsers read) is
     <|close|>call<|sep|>...<|close|>tools<|sep|>
     <|close|>message<|sep|><|end_of_msg|>
 
-`parse(text)` accepts either the text generated after the prompt (it starts inside the think
-channel, or inside the response channel with thinking off) or a whole message. It never raises
-on model output and never drops text: anything that does not fit the format comes back in
+The structure is carried by control tokens (`<|open|>`, `<|close|>`, `<|sep|>`, and the
+`<|end_of_msg|>` / `[EOT]` that stop generation). Text the model writes can spell the same
+strings with ordinary tokens, so only the token ids tell structure from text: parse the generated
+ids, `parse(ids, tokenizer=tok)`, or stream them into `StreamParser(tokenizer=tok)`. `parse(text)`
+is for callers that only have decoded text, which cannot tell the two apart.
+
+Either way the input may be what was generated after the prompt (it starts inside the think
+channel, or inside the response channel with thinking off) or a whole message. Parsing never
+raises on model output and never drops text: anything that does not fit the format comes back in
 `content` with `malformed: True` and an `error`. Output that stops inside the think channel, the
 common result of a small `max_new_tokens`, is flagged `truncated_in_reasoning` with a `warning`
-that says what to do. `StreamParser` gives the same result from text fed in pieces of any size,
-and never emits part of a marker it might still be reading.
+that says what to do. `StreamParser` gives the same result from input fed in pieces of any size,
+in time linear in its length, and never emits part of a marker it might still be reading.
 """
 
 from __future__ import annotations
@@ -30,11 +36,7 @@ OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
 THINK_OPEN, THINK_CLOSE = f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"
 RESPONSE_OPEN, RESPONSE_CLOSE = f"{OPEN}response{SEP}", f"{CLOSE}response{SEP}"
 TOOLS_OPEN, TOOLS_CLOSE = f"{OPEN}tools{SEP}", f"{CLOSE}tools{SEP}"
-MESSAGE_HEAD, MESSAGE_CLOSE = f"{OPEN}message", f"{CLOSE}message{SEP}"
-CALL_HEAD, CALL_CLOSE = f"{OPEN}call", f"{CLOSE}call{SEP}"
-ARGUMENT_HEAD, ARGUMENT_CLOSE = f"{OPEN}argument", f"{CLOSE}argument{SEP}"
-JSON_HEAD, JSON_CLOSE = f"{OPEN}json", f"{CLOSE}json{SEP}"
-# Generation stops at either of these; nothing after them belongs to the message.
+# Generation stops at either of these, so only one at the very end ends the message.
 END_MARKERS = ("<|end_of_msg|>", "[EOT]")
 
 RECOMMENDED_MAX_NEW_TOKENS = 32768
@@ -55,29 +57,204 @@ _TYPES = {
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
 }
-# What may follow each closed part of a message (whitespace between parts is ignored).
-_NEXT = {
-    "after_think": ((RESPONSE_OPEN, "response"), (TOOLS_OPEN, "tools"), (MESSAGE_CLOSE, "done")),
-    "after_response": ((TOOLS_OPEN, "tools"), (MESSAGE_CLOSE, "done")),
-    "after_tools": ((MESSAGE_CLOSE, "done"),),
-}
-_CHANNEL_OPENS = ((THINK_OPEN, "think"), (RESPONSE_OPEN, "response"), (TOOLS_OPEN, "tools"))
-_OPENINGS = (MESSAGE_HEAD, *dict(_CHANNEL_OPENS))
 
 
 class MalformedToolCall(ValueError):
     """A tools section that does not follow the XTML call grammar (never escapes `parse`)."""
 
 
-def _held_back(text: str, markers) -> int:
-    """Length of the longest end of `text` that is a proper prefix of one of `markers`."""
-    best = 0
-    for marker in markers:
-        for length in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:length]):
-                best = length
-                break
-    return best
+class _Marker:
+    """A control token in the item stream the parser reads; text items are plain `str`."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+M_OPEN, M_CLOSE, M_SEP = _Marker(OPEN), _Marker(CLOSE), _Marker(SEP)
+M_END = _Marker("")  # the message ended: generation stopped at <|end_of_msg|> or [EOT]
+_STRUCTURE = {OPEN: M_OPEN, CLOSE: M_CLOSE, SEP: M_SEP}
+
+# What may follow each closed part of a message (whitespace between parts is ignored).
+_NEXT = {
+    "after_think": ((M_OPEN, "response", "response"), (M_OPEN, "tools", "tools"), (M_CLOSE, "message", "done")),
+    "after_response": ((M_OPEN, "tools", "tools"), (M_CLOSE, "message", "done")),
+    "after_tools": ((M_CLOSE, "message", "done"),),
+}
+_CHANNEL_OPENS = ((M_OPEN, "think", "think"), (M_OPEN, "response", "response"), (M_OPEN, "tools", "tools"))
+
+
+def _text(items) -> str:
+    """Items written back as text (control tokens as their strings)."""
+    return "".join(item if isinstance(item, str) else item.text for item in items)
+
+
+def _merged(items: list) -> list:
+    """`items` with each run of adjacent text items joined into one."""
+    out, run = [], []
+    for item in items:
+        if isinstance(item, str):
+            run.append(item)
+            continue
+        if run:
+            out.append("".join(run))
+            run = []
+        out.append(item)
+    if run:
+        out.append("".join(run))
+    return out
+
+
+# -- lexers: input -> items -------------------------------------------------------------------
+
+
+def _prefixes(words) -> str:
+    """A regex (a trie, so a mismatch fails at once) for a non-empty prefix of one of `words`."""
+    branches = []
+    for first in sorted({word[0] for word in words}):
+        rest = [word[1:] for word in words if word[0] == first and len(word) > 1]
+        branches.append(re.escape(first) + (f"(?:{_prefixes(rest)})?" if rest else ""))
+    return "|".join(branches)
+
+
+_MARKERS = (OPEN, CLOSE, SEP, *END_MARKERS)
+_MARKER_RE = re.compile("|".join(map(re.escape, _MARKERS)))
+_PARTIAL_MARKER_RE = re.compile(f"(?:{_prefixes(_MARKERS)})\\Z")  # the start of one at the very end
+_LONGEST_MARKER = max(map(len, _MARKERS))
+# After an end marker: what decoding a finished batch row without skip_special_tokens leaves.
+_TRAILING = (*END_MARKERS, "[PAD]")
+_TRAILING_RE = re.compile(r"(?:\s|" + "|".join(map(re.escape, _TRAILING)) + ")*")
+_PARTIAL_TRAILING_RE = re.compile(f"(?:{_prefixes(_TRAILING)})\\Z")
+
+
+class _TextLexer:
+    """Decoded text -> items: every spelling of a control token counts as one (text cannot tell).
+
+    An end marker ends the message only when nothing but whitespace, end markers and `[PAD]`
+    follows it (generation stops there); one inside the text is text.
+    """
+
+    def __init__(self):
+        self._tail = ""  # the end of the input so far that may be the start of a marker
+        self._ending: list[str] = []  # an end marker and the trailing text after it so far
+
+    def feed(self, text: str) -> list:
+        if not isinstance(text, str):
+            raise TypeError("expected text; to parse token ids give StreamParser the tokenizer")
+        return self._lex(self._tail + text, final=False)
+
+    def finish(self) -> list:
+        return self._lex(self._tail, final=True)
+
+    def _lex(self, buf: str, final: bool) -> list:
+        out, pos, literal_until = [], 0, 0
+        if self._ending:
+            end = _TRAILING_RE.match(buf).end()
+            if end == len(buf) or (not final and _PARTIAL_TRAILING_RE.match(buf, end)):
+                self._ending.append(buf[:end])
+                self._tail = buf[end:]
+                return [M_END] if final else []
+            out.append("".join(self._ending))
+            self._ending, literal_until = [], end
+        for match in _MARKER_RE.finditer(buf):
+            if match.start() > pos:
+                out.append(buf[pos : match.start()])
+            marker, pos = match.group(), match.end()
+            if marker in _STRUCTURE:
+                out.append(_STRUCTURE[marker])
+                continue
+            if match.start() >= literal_until:
+                end = _TRAILING_RE.match(buf, pos).end()
+                if end == len(buf) or (not final and _PARTIAL_TRAILING_RE.match(buf, end)):
+                    self._ending, self._tail = [buf[match.start() : end]], buf[end:]
+                    return [*out, M_END] if final else out
+                literal_until = end
+            out.append(marker)
+        partial = None if final else _PARTIAL_MARKER_RE.search(buf, max(pos, len(buf) - _LONGEST_MARKER))
+        end = partial.start() if partial else len(buf)
+        if pos < end:
+            out.append(buf[pos:end])
+        self._tail = buf[end:]
+        return out
+
+
+def _as_ids(ids) -> list[int]:
+    """Token ids given as an int, a sequence of ints or a 1-D tensor / array."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if isinstance(ids, int):
+        return [ids]
+    if isinstance(ids, (str, bytes)) or not all(isinstance(i, int) for i in ids):
+        raise TypeError("expected token ids (an int, a list of ints or a 1-D tensor); parse text with tokenizer=None")
+    return list(ids)
+
+
+class _IdLexer:
+    """Token ids -> items: only the control token ids are structure; every other id is text.
+
+    Text is decoded as `skip_special_tokens=True` decodes it. Up to three ids that end inside a
+    UTF-8 character are held back until it completes, so streamed text matches decoding at once.
+    """
+
+    def __init__(self, tokenizer):
+        self._controls = {}
+        for marker, item in ((OPEN, M_OPEN), (CLOSE, M_CLOSE), (SEP, M_SEP), *((m, M_END) for m in END_MARKERS)):
+            token_id = tokenizer.convert_tokens_to_ids(marker)
+            if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != marker:
+                raise ValueError(f"the tokenizer has no {marker} token: it is not a Kimi K3 tokenizer")
+            self._controls[token_id] = item
+        self._tokenizer = tokenizer
+        self._run: list[int] = []  # ordinary ids not decoded yet
+        self._ended = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _flush(self, out: list, ids: list[int], final: bool) -> None:
+        run = self._run + ids
+        text = self._decode(run)
+        self._run = []
+        if not final and text.endswith("\ufffd"):
+            for keep in range(1, min(3, len(run)) + 1):
+                head = self._decode(run[:-keep])
+                if not head.endswith("\ufffd"):
+                    text, self._run = head, run[-keep:]
+                    break
+            else:
+                text, self._run = self._decode(run[:-3]), run[-3:]
+        if text:
+            out.append(text)
+
+    def feed(self, ids) -> list:
+        out, start = [], 0
+        if self._ended:
+            return out
+        ids = _as_ids(ids)
+        for i, token_id in enumerate(ids):
+            item = self._controls.get(token_id)
+            if item is None:
+                continue
+            self._flush(out, ids[start:i], final=True)
+            out.append(item)
+            start = i + 1
+            if item is M_END:
+                self._ended = True
+                return out
+        self._flush(out, ids[start:], final=False)
+        return out
+
+    def finish(self) -> list:
+        out: list = []
+        if not self._ended:
+            self._flush(out, [], final=True)
+        return out
+
+
+# -- tool calls ---------------------------------------------------------------------------------
 
 
 def _attrs(text: str) -> dict[str, str]:
@@ -87,19 +264,44 @@ def _attrs(text: str) -> dict[str, str]:
     return {key: value.replace("&quot;", '"').replace("&amp;", "&") for key, value in _ATTR_RE.findall(text)}
 
 
-def _element(section: str, pos: int, head: str, close: str) -> tuple[dict[str, str], str, int]:
-    """Read `head ATTRS<|sep|>BODY close` at `pos`: (attributes, body, position after it)."""
-    header_end = section.find(SEP, pos)
-    if header_end < 0:
-        raise MalformedToolCall(f"unclosed {head}... header")
-    attrs = _attrs(section[pos + len(head) : header_end])
-    body_end = section.find(close, header_end)
-    if body_end < 0:
-        raise MalformedToolCall(f"no {close} after {section[pos:header_end + len(SEP)]!r}")
-    body = section[header_end + len(SEP) : body_end]
-    if ARGUMENT_HEAD in body or CALL_HEAD in body:
-        raise MalformedToolCall(f"unclosed {section[pos:header_end + len(SEP)]!r}")
-    return attrs, body, body_end + len(close)
+def _opens(items: list, i: int, name: str) -> bool:
+    """Does `<|open|>name...` start at items[i]?"""
+    return items[i] is M_OPEN and i + 1 < len(items) and isinstance(items[i + 1], str) and items[i + 1].startswith(name)
+
+
+def _closes(items: list, i: int, name: str) -> bool:
+    """Does `<|close|>name<|sep|>` start at items[i]?"""
+    return items[i] is M_CLOSE and i + 2 < len(items) and items[i + 1] == name and items[i + 2] is M_SEP
+
+
+def _header(items: list, i: int, name: str) -> tuple[dict[str, str], int]:
+    """The attributes of the `<|open|>name ATTRS<|sep|>` at items[i], and the index after it."""
+    if i + 2 >= len(items) or items[i + 2] is not M_SEP:
+        raise MalformedToolCall(f"unclosed {name} header {_text(items[i : i + 2])[:80]!r}")
+    return _attrs(items[i + 1][len(name) :]), i + 3
+
+
+def _element(items: list, i: int, name: str) -> tuple[dict[str, str], str, int]:
+    """Read `<|open|>name ATTRS<|sep|>BODY<|close|>name<|sep|>` at items[i]: (attributes, body, index after)."""
+    attrs, start = _header(items, i, name)
+    j = start
+    while j < len(items) and not _closes(items, j, name):
+        if _opens(items, j, "argument") or _opens(items, j, "call"):
+            raise MalformedToolCall(f"unclosed {_text(items[i : i + 3])!r}")
+        j += 1
+    if j == len(items):
+        raise MalformedToolCall(f"no {CLOSE}{name}{SEP} after {_text(items[i : i + 3])!r}")
+    return attrs, _text(items[start:j]), j + 3
+
+
+def _json(value: str, what: str):
+    """`value` read as JSON; MalformedToolCall, never another error, when it cannot be."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise MalformedToolCall(f"{what} is not valid JSON: {value[:80]!r} ({err.msg})") from None
+    except (ValueError, RecursionError) as err:  # past Python's int-digit limit or its recursion limit
+        raise MalformedToolCall(f"{what} cannot be read: {str(err)[:120]}") from None
 
 
 def _typed(value: str, kind: str, key: str):
@@ -107,12 +309,7 @@ def _typed(value: str, kind: str, key: str):
         return value
     if kind not in _TYPES:
         raise MalformedToolCall(f"argument {key!r} has unknown type {kind!r}")
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as err:
-        raise MalformedToolCall(
-            f"argument {key!r} of type {kind} is not valid JSON: {value[:80]!r} ({err.msg})"
-        ) from None
+    parsed = _json(value, f"argument {key!r} of type {kind}")
     if not _TYPES[kind](parsed):
         raise MalformedToolCall(f"argument {key!r} is declared {kind} but holds {value[:80]!r}")
     return parsed
@@ -123,71 +320,131 @@ def _call_id(index: int, name: str, arguments: str) -> str:
     return "call_" + hashlib.sha256(f"{index}\0{name}\0{arguments}".encode()).hexdigest()[:24]
 
 
-def parse_tool_calls(section: str) -> list[dict]:
-    """The OpenAI tool calls in the body of a tools section; MalformedToolCall if it is not one."""
-    calls, pos = [], 0
+def _skip_space(items: list, i: int) -> int:
+    while i < len(items) and isinstance(items[i], str) and not items[i].strip():
+        i += 1
+    return i
+
+
+def _parse_calls(items: list) -> list[dict]:
+    """The OpenAI tool calls in the items of a tools section body; MalformedToolCall if it is not one."""
+    items = _merged(items)
+    calls, i = [], 0
     while True:
-        while pos < len(section) and section[pos].isspace():
-            pos += 1
-        if pos == len(section):
+        i = _skip_space(items, i)
+        if i == len(items):
             return calls
-        if not section.startswith(CALL_HEAD, pos):
-            raise MalformedToolCall(f"expected {CALL_HEAD}, found {section[pos:pos + 40]!r}")
-        header_end = section.find(SEP, pos)
-        if header_end < 0:
-            raise MalformedToolCall("unclosed call header")
-        name = _attrs(section[pos + len(CALL_HEAD) : header_end]).get("tool")
+        if not _opens(items, i, "call"):
+            raise MalformedToolCall(f"expected {OPEN}call, found {_text(items[i : i + 3])[:40]!r}")
+        attrs, i = _header(items, i, "call")
+        name = attrs.get("tool")
         if not name:
-            raise MalformedToolCall(f"call without a tool name: {section[pos:header_end + len(SEP)]!r}")
-        pos = header_end + len(SEP)
+            raise MalformedToolCall(f"call without a tool name: {_text(items[i - 3 : i])!r}")
         arguments: dict = {}
         raw_json = None
         while True:
-            while pos < len(section) and section[pos].isspace():
-                pos += 1
-            if section.startswith(CALL_CLOSE, pos):
-                pos += len(CALL_CLOSE)
+            i = _skip_space(items, i)
+            if i < len(items) and _closes(items, i, "call"):
+                i += 3
                 break
-            if section.startswith(ARGUMENT_HEAD, pos):
-                attrs, value, pos = _element(section, pos, ARGUMENT_HEAD, ARGUMENT_CLOSE)
+            if i < len(items) and _opens(items, i, "argument"):
+                attrs, value, i = _element(items, i, "argument")
                 if "key" not in attrs:
                     raise MalformedToolCall(f"argument without a key in call {name!r}")
                 arguments[attrs["key"]] = _typed(value, attrs.get("type", "string"), attrs["key"])
-            elif section.startswith(JSON_HEAD, pos):
-                _, raw_json, pos = _element(section, pos, JSON_HEAD, JSON_CLOSE)
-                try:
-                    if not isinstance(json.loads(raw_json), dict):
-                        raise MalformedToolCall(f"the json arguments of {name!r} are not an object")
-                except json.JSONDecodeError as err:
-                    raise MalformedToolCall(f"the json arguments of {name!r} are not valid JSON ({err.msg})") from None
+            elif i < len(items) and _opens(items, i, "json"):
+                _, raw_json, i = _element(items, i, "json")
+                if not isinstance(_json(raw_json, f"the json arguments of {name!r}"), dict):
+                    raise MalformedToolCall(f"the json arguments of {name!r} are not an object")
             else:
-                raise MalformedToolCall(f"unclosed call {name!r}: found {section[pos:pos + 40]!r}")
+                raise MalformedToolCall(f"unclosed call {name!r}: found {_text(items[i : i + 3])[:40]!r}")
         if raw_json is not None and arguments:
             raise MalformedToolCall(f"call {name!r} has both a json block and arguments")
-        text = raw_json if raw_json is not None else json.dumps(arguments, ensure_ascii=False)
+        try:
+            text = raw_json if raw_json is not None else json.dumps(arguments, ensure_ascii=False)
+        except RecursionError:
+            raise MalformedToolCall(f"the arguments of {name!r} nest too deeply to write back") from None
         index = len(calls) + 1
         calls.append(
             {"id": _call_id(index, name, text), "type": "function", "function": {"name": name, "arguments": text}}
         )
 
 
+def parse_tool_calls(section: str) -> list[dict]:
+    """The OpenAI tool calls in the text of a tools section body; MalformedToolCall if it is not one."""
+    lexer = _TextLexer()
+    return _parse_calls([item for item in lexer.feed(section) + lexer.finish() if item is not M_END])
+
+
+# -- the parser ---------------------------------------------------------------------------------
+
+
+def _match(held: list, options) -> tuple[str, str | None]:
+    """Does `held` start with `MARKER name<|sep|>` of one of `options` (marker, name, state)?
+
+    ("yes", state), ("maybe", None) while the items so far could still become one, or ("no", None).
+    """
+    first = held[0]
+    if not any(first is marker for marker, _, _ in options):
+        return "no", None
+    if len(held) == 1:
+        return "maybe", None
+    tag = held[1]
+    if not isinstance(tag, str):
+        return "no", None
+    names = [(name, state) for marker, name, state in options if marker is first]
+    if len(held) == 2:
+        return ("maybe", None) if any(name.startswith(tag) for name, _ in names) else ("no", None)
+    if held[2] is M_SEP:
+        for name, state in names:
+            if tag == name:
+                return "yes", state
+    return "no", None
+
+
+# How much text of a tools section StreamParser gathers before lexing it.
+_TOOLS_BATCH = 1 << 14
+
+
 class StreamParser:
-    """Incremental parser: `feed(text)` returns what became certain, `finish()` the rest.
+    """Incremental parser: `feed(chunk)` returns what became certain, `finish()` the rest.
+
+    With `tokenizer` given, chunks are generated token ids (an int, a list or a 1-D tensor) and
+    structure comes only from the control token ids; without it chunks are decoded text, in which
+    text that spells a control token cannot be told from one (see `parse`).
 
     Deltas are dicts with any of `reasoning_content`, `content` (strings to append) and
     `tool_calls` (whole calls, OpenAI streaming style with an `index`); a tools section is
     emitted when it closes, as content instead if it turns out malformed. `result()` after
-    `finish()` is the complete message, equal to `parse(text, thinking=...)` of all the text.
-    `thinking` says where generated text starts without a channel marker: inside the think
+    `finish()` (or after the end token) is the complete message, equal to `parse` of all the input.
+    `thinking` says where generated output starts without a channel marker: inside the think
     channel (True, the generation prompt's default) or inside the response channel (False).
     """
 
-    def __init__(self, thinking: bool = True):
+    def __init__(self, thinking: bool = True, tokenizer=None):
+        self._lexer = _TextLexer() if tokenizer is None else _IdLexer(tokenizer)
         self._default = "think" if thinking else "response"
-        self._buf = ""
         self._state = "start"
+        self._held: list = []  # items read ahead to tell a marker from text (a few)
+        self._space: list[str] = []  # whitespace between two parts, content if no part follows
+        self._section: list = []  # the items of an open message header or tools section
+        self._deferred: list[str] = []  # text of a tools section not lexed yet (see feed)
+        self._deferred_size = 0
+        self._probe = ""  # the end of that text, to see a closing marker split over chunks
         self._ended = False
         self._delta: dict = {}
+        self._handlers = {
+            "start": self._start,
+            "header": self._header,
+            "think": self._think,
+            "response": self._response,
+            "after_think": self._between,
+            "after_response": self._between,
+            "after_tools": self._between,
+            "tools": self._tools,
+            "done": self._done,
+            "raw": self._raw,
+        }
         self._message = {
             "role": "assistant",
             "reasoning_content": None,
@@ -201,30 +458,28 @@ class StreamParser:
             "warning": None,
         }
 
-    def feed(self, text: str) -> dict:
-        """Add generated text; return the delta it settled (possibly empty)."""
+    def feed(self, chunk) -> dict:
+        """Add generated text (or ids, with a tokenizer); return the delta it settled (possibly empty)."""
         if self._ended:
             return {}
-        self._buf += text
-        ends = [i for i in (self._buf.find(marker) for marker in END_MARKERS) if i >= 0]
-        if ends:
-            self._buf = self._buf[: min(ends)]
-            return self.finish()
-        self._run(final=False)
-        return self._take()
+        if self._state == "tools" and not self._held and isinstance(self._lexer, _TextLexer) and isinstance(chunk, str):
+            # Inside a tools section nothing settles before it closes: lex many chunks in one pass.
+            window = (self._probe if self._deferred else self._lexer._tail) + chunk
+            if TOOLS_CLOSE not in window and self._deferred_size + len(chunk) < _TOOLS_BATCH:
+                self._deferred.append(chunk)
+                self._deferred_size += len(chunk)
+                self._probe = window[1 - len(TOOLS_CLOSE) :]
+                return {}
+            chunk = "".join((*self._deferred, chunk))
+            self._deferred, self._deferred_size = [], 0
+        return self._process(self._lexer.feed(chunk), final=False)
 
     def finish(self) -> dict:
-        """No more text: settle everything held back and return that last delta."""
+        """No more input: settle everything held back and return that last delta."""
         if self._ended:
             return {}
-        self._ended = True
-        self._run(final=True)
-        if self._state in ("think", "response", "tools", "start"):
-            self._message["truncated"] = True
-            self._message["warning"] = TRUNCATED_IN_REASONING if self._state == "think" else TRUNCATED
-            self._message["truncated_in_reasoning"] = self._state == "think"
-        self._message["finished"] = self._state == "done"
-        return self._take()
+        items = self._lexer.feed("".join(self._deferred)) if self._deferred else []
+        return self._process(items + self._lexer.finish(), final=True)
 
     def result(self) -> dict:
         """The parsed message (call after `finish`)."""
@@ -234,13 +489,49 @@ class StreamParser:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _take(self) -> dict:
+    def _process(self, items: list, final: bool) -> dict:
+        held = self._held
+        for item in items:
+            if item is M_END:
+                final = True
+                break
+            if not held and self._state == "tools" and isinstance(item, str):
+                self._section.append(item)  # the bulk of a tools section: nothing to decide yet
+                continue
+            if held and isinstance(item, str) and isinstance(held[-1], str):
+                held[-1] += item
+            else:
+                held.append(item)
+            while held and self._handlers[self._state](False):
+                pass
+        if final:
+            self._close()
         delta, self._delta = self._delta, {}
         return delta
 
+    def _close(self) -> None:
+        self._ended = True
+        while self._held and self._handlers[self._state](True):
+            pass
+        if self._state == "start":
+            self._enter(self._default)
+        elif self._state == "header":
+            self._emit("content", OPEN + _text(self._section))
+            self._state = "raw"
+        elif self._state == "tools":
+            self._malformed("the tools section is not closed", TOOLS_OPEN + _text(self._section))
+        if self._state in ("think", "response", "tools"):
+            self._message["truncated"] = True
+            self._message["warning"] = TRUNCATED_IN_REASONING if self._state == "think" else TRUNCATED
+            self._message["truncated_in_reasoning"] = self._state == "think"
+        self._message["finished"] = self._state == "done"
+
+    def _enter(self, state: str) -> None:
+        self._state = state
+        if state == "think" and self._message["reasoning_content"] is None:
+            self._message["reasoning_content"] = ""
+
     def _emit(self, key: str, text: str) -> None:
-        if key == "reasoning_content" and self._message[key] is None:
-            self._message[key] = ""
         if text:
             self._message[key] += text
             self._delta[key] = self._delta.get(key, "") + text
@@ -250,87 +541,103 @@ class StreamParser:
             self._message["malformed"], self._message["error"] = True, error
         self._emit("content", raw)
 
-    def _run(self, final: bool) -> None:
-        while getattr(self, f"_{self._state}")(final):
-            pass
+    # Each handler reads self._held[0:] in its state; it returns True when it consumed something
+    # and may go on, False when it must wait for more items (never when `final`).
 
     def _start(self, final: bool) -> bool:
-        buf = self._buf
-        if buf.startswith(MESSAGE_HEAD):
-            end = buf.find(SEP)
-            if end < 0:
-                if final:
-                    self._state = "raw"
-                    return True
-                return False
-            self._buf = buf[end + len(SEP) :]
-            return True
-        for marker, state in _CHANNEL_OPENS:
-            if buf.startswith(marker):
-                self._buf, self._state = buf[len(marker) :], state
+        held = self._held
+        if held[0] is M_OPEN and len(held) > 1 and isinstance(held[1], str):
+            if held[1].startswith("message"):
+                self._section = [held[1]]
+                del held[:2]
+                self._state = "header"
                 return True
-        if not final and any(marker.startswith(buf) for marker in (*_OPENINGS, *END_MARKERS)):
+            if len(held) == 2 and "message".startswith(held[1]) and not final:
+                return False
+        verdict, state = _match(held, _CHANNEL_OPENS)
+        if verdict == "yes":
+            del held[:3]
+            self._enter(state)
+            return True
+        if verdict == "maybe" and not final:
             return False
-        self._state = self._default
+        self._enter(self._default)
         return True
 
-    def _channel(self, final: bool, close: str, key: str, next_state: str) -> bool:
-        idx = self._buf.find(close)
-        if idx >= 0:
-            self._emit(key, self._buf[:idx])
-            self._buf, self._state = self._buf[idx + len(close) :], next_state
+    def _header(self, final: bool) -> bool:
+        item = self._held.pop(0)
+        if item is M_SEP:
+            self._section = []
+            self._state = "start"
+        else:
+            self._section.append(item)
+        return True
+
+    def _channel(self, final: bool, name: str, key: str, next_state: str) -> bool:
+        held = self._held
+        if held[0] is not M_CLOSE:
+            item = held.pop(0)
+            self._emit(key, item if isinstance(item, str) else item.text)
             return True
-        text = self._buf
-        if final:
-            # A marker cut off by the token limit (`<|close|>think`, ...) is structure, not text.
-            cut = _held_back(text, [close])
-            if cut >= len(CLOSE):
-                text = text[:-cut]
-            self._buf = ""
-            self._emit(key, text)
+        verdict, _ = _match(held, ((M_CLOSE, name, next_state),))
+        if verdict == "yes":
+            del held[:3]
+            self._state = next_state
+            return True
+        if verdict == "maybe":
+            if final:  # a closing marker cut off by the token limit is structure, not text
+                held.clear()
             return False
-        hold = _held_back(text, [close, *END_MARKERS])
-        self._buf = text[len(text) - hold :]
-        self._emit(key, text[: len(text) - hold])
-        return False
+        self._emit(key, held.pop(0).text)
+        return True
 
     def _think(self, final: bool) -> bool:
-        self._emit("reasoning_content", "")
-        return self._channel(final, THINK_CLOSE, "reasoning_content", "after_think")
+        return self._channel(final, "think", "reasoning_content", "after_think")
 
     def _response(self, final: bool) -> bool:
-        return self._channel(final, RESPONSE_CLOSE, "content", "after_response")
+        return self._channel(final, "response", "content", "after_response")
 
     def _between(self, final: bool) -> bool:
-        options = _NEXT[self._state]
-        stripped = self._buf.lstrip()
-        for marker, state in options:
-            if stripped.startswith(marker):
-                self._buf, self._state = stripped[len(marker) :], state
+        held = self._held
+        if isinstance(held[0], str):
+            rest = held[0].lstrip()
+            self._space.append(held[0][: len(held[0]) - len(rest)])
+            if not rest:
+                held.pop(0)
                 return True
-        if not stripped or (
-            not final and any(marker.startswith(stripped) for marker in (*dict(options), *END_MARKERS))
-        ):
+            held[0] = rest
+        verdict, state = _match(held, _NEXT[self._state])
+        if verdict == "yes":
+            del held[:3]
+            self._space = []
+            self._state = state
+            return True
+        if verdict == "maybe" and not final:
             return False
         # The error names no text: how much of it has arrived depends on the chunking.
         self._malformed(f"unexpected text after the {self._state.removeprefix('after_')} channel", "")
         self._state = "raw"
+        self._emit("content", "".join(self._space))
+        self._space = []
         return True
 
-    _after_think = _after_response = _after_tools = _between
-
     def _tools(self, final: bool) -> bool:
-        idx = self._buf.find(TOOLS_CLOSE)
-        if idx < 0:
-            if final:
-                self._malformed("the tools section is not closed", TOOLS_OPEN + self._buf)
-                self._buf = ""
+        held = self._held
+        if held[0] is not M_CLOSE:
+            self._section.append(held.pop(0))
+            return True
+        verdict, _ = _match(held, ((M_CLOSE, "tools", "after_tools"),))
+        if verdict == "maybe" and not final:
             return False
-        section, self._buf, self._state = self._buf[:idx], self._buf[idx + len(TOOLS_CLOSE) :], "after_tools"
+        if verdict != "yes":
+            self._section.append(held.pop(0))
+            return True
+        del held[:3]
+        section, self._section, self._state = self._section, [], "after_tools"
         try:
-            calls = parse_tool_calls(section)
+            calls = _parse_calls(section)
         except MalformedToolCall as err:
-            self._malformed(f"malformed tool call: {err}", TOOLS_OPEN + section + TOOLS_CLOSE)
+            self._malformed(f"malformed tool call: {err}", TOOLS_OPEN + _text(section) + TOOLS_CLOSE)
             return True
         start = len(self._message["tool_calls"])
         self._message["tool_calls"] += calls
@@ -338,35 +645,54 @@ class StreamParser:
         return True
 
     def _done(self, final: bool) -> bool:
-        if final and self._buf.strip():
-            self._malformed(f"text after the end of the message: {self._buf.strip()[:40]!r}", self._buf)
-            self._buf = ""
-        return False
+        held = self._held
+        if isinstance(held[0], str) and not held[0].strip():
+            self._space.append(held.pop(0))
+            return True
+        self._malformed("text after the end of the message", "".join(self._space))
+        self._space = []
+        self._state = "raw"
+        return True
 
     def _raw(self, final: bool) -> bool:
-        hold = 0 if final else _held_back(self._buf, END_MARKERS)
-        self._emit("content", self._buf[: len(self._buf) - hold])
-        self._buf = self._buf[len(self._buf) - hold :]
+        self._emit("content", _text(self._held))
+        self._held.clear()
         return False
 
 
-def _starts_in_think(text: str) -> bool:
-    """Where text without a leading channel marker starts: inside think unless it shows otherwise."""
-    if THINK_CLOSE in text:
+def _starts_in_think(items: list) -> bool:
+    """Where output without a leading channel marker starts: inside think unless it shows otherwise."""
+    tags = {
+        (items[i], items[i + 1])
+        for i in range(len(items) - 2)
+        if isinstance(items[i], _Marker) and isinstance(items[i + 1], str) and items[i + 2] is M_SEP
+    }
+    if (M_CLOSE, "think") in tags:
         return True
-    return not any(marker in text for marker in (RESPONSE_CLOSE, TOOLS_OPEN, MESSAGE_CLOSE))
+    return not tags & {(M_CLOSE, "response"), (M_OPEN, "tools"), (M_CLOSE, "message")}
 
 
-def parse(text: str, thinking: bool | None = None) -> dict:
+def parse(output, thinking: bool | None = None, tokenizer=None) -> dict:
     """Parse a whole output or message into an OpenAI-style assistant message plus flags.
+
+    `output` is the generated token ids with `tokenizer` given (the reliable way: structure comes
+    only from control token ids), else text. Text-only parsing cannot tell a control token from
+    text that spells it (decoding, even with skip_special_tokens=True, writes `<|open|>`,
+    `<|close|>` and `<|sep|>` as the same strings): a reply that merely writes
+    `<|open|>call tool="x"<|sep|>...` reads as a tool call. Nor can it tell a real end token from
+    a written one, so in text `<|end_of_msg|>` or `[EOT]` ends the message only at the end
+    (followed by nothing but whitespace, end tokens and `[PAD]`).
 
     Keys: role, reasoning_content (None without a think channel), content, tool_calls
     (`{"id", "type": "function", "function": {"name", "arguments": JSON string}}`), finished
     (the message was closed), truncated, truncated_in_reasoning, malformed, error, warning.
-    `thinking` says where text without a leading channel marker starts (see StreamParser); by
-    default it is guessed from the markers the text contains.
+    `thinking` says where output without a leading channel marker starts (see StreamParser); by
+    default it is guessed from the markers the output contains.
     """
-    parser = StreamParser(_starts_in_think(text) if thinking is None else thinking)
-    parser.feed(text)
-    parser.finish()
+    if tokenizer is None and not isinstance(output, str):
+        raise TypeError("parse() of token ids needs their tokenizer: parse(ids, tokenizer=tok)")
+    lexer = _TextLexer() if tokenizer is None else _IdLexer(tokenizer)
+    items = _merged(lexer.feed(output) + lexer.finish())
+    parser = StreamParser(_starts_in_think(items) if thinking is None else thinking)
+    parser._process(items, final=True)
     return parser.result()
