@@ -5,7 +5,7 @@
 The section holds calls a coding agent makes (file writes with code full of `<`, `[` and quotes,
 shell commands, numbers, arrays). Both timings run in this process, best of five; the ratio is
 stream time / parse time, so a parser that rescans what it buffered shows up as a ratio that
-grows with the section (the quadratic parser took 110 s here).
+grows with the section (the previous, quadratic parser: 10 s, ratio 656, on this section).
 """
 
 from __future__ import annotations
