@@ -1139,7 +1139,10 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules = ["A_log", "dt_bias", "e_score_correction_bias"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _is_stateful = True
-    _keys_to_ignore_on_load_unexpected = None
+    # The release's MoonViT vision tower: a text-only load skips it on purpose (check_checkpoint says so once);
+    # any other unexpected tensor stays an error.
+    _vision_keys = (r"^vision_tower\.", r"^mm_projector\.")
+    _keys_to_ignore_on_load_unexpected = list(_vision_keys)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -1218,8 +1221,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             accepted = _SAFETENSORS_FLOATS if dtype.is_floating_point else (_SAFETENSORS_DTYPES.get(dtype, str(dtype)),)
             if k in found and found[k][1] not in accepted:
                 wrong_dtype.append(f"{k} in {found[k][0]} ({found[k][1]}, model expects {' or '.join(accepted)})")
-        cls._raise_on_key_problems(directory, sorted(set(expected) - set(found)), sorted(set(found) - set(expected)),
-                                   mismatched, wrong_dtype)
+        unexpected = sorted(set(found) - set(expected))
+        cls._raise_on_key_problems(directory, sorted(set(expected) - set(found)), unexpected, mismatched, wrong_dtype)
+        vision = [k for k in unexpected if any(re.search(p, k) for p in cls._vision_keys)]
+        if vision:
+            logger.warning(f"{directory}: skipping {len(vision)} vision-tower tensors (names matching "
+                           f"{', '.join(cls._vision_keys)}): this model is text-only")
 
     @classmethod
     def _raise_on_key_problems(cls, source, missing, unexpected, mismatched, wrong_dtype=()):
@@ -1290,7 +1297,7 @@ def read_safetensors_headers(directory):
 class KimiK3Model(KimiK3PreTrainedModel):
     """The bare decoder (AutoModel): last hidden states, no LM head."""
 
-    _keys_to_ignore_on_load_unexpected = [r"^language_model\.lm_head\."]
+    _keys_to_ignore_on_load_unexpected = [*KimiK3PreTrainedModel._vision_keys, r"^language_model\.lm_head\."]
 
     def __init__(self, config):
         super().__init__(config)

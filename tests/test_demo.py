@@ -65,7 +65,7 @@ def test_release_layout_and_size():
     config = json.loads((DEMO / "config.json").read_text())
     assert config["model_type"] == "kimi_k3"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForCausalLM"
-    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
     text = config["text_config"]
     assert text["model_type"] == "kimi_linear"
     assert text["num_experts"] == 56 and text["num_experts_per_token"] == 4 and text["num_shared_experts"] == 2
