@@ -452,4 +452,7 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
         resolved, off = run({path: "off"})
         print(f"remote-code model, {path} off: {resolved}; calls {off}")
         assert f"{path}=off" in resolved
-        assert off[path] == 0 and all(off[p] for p in off if p != path), (path, off)
+        # the reference experts sync with the host (their per-expert row counts), so a step without the expert
+        # kernels is not capturable: generate warns and runs it eagerly
+        still_on = [p for p in off if p != path and not (path == "experts" and p == "cuda_graphs")]
+        assert off[path] == 0 and all(off[p] for p in still_on), (path, off)
