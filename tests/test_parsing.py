@@ -496,3 +496,24 @@ def test_a_tool_call_streams_out_when_its_section_closes():
                 arrived = pos + size
             pos += size
         assert arrived is not None and arrived - (text.index("<|close|>tools<|sep|>") + 21) < size
+
+
+SOUP = [
+    *("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOT]", "[PAD]", "think", "response", "tools", "message"),
+    *('call tool="f" index="1"', 'argument key="a" type="string"', 'argument key="n" type="number"', "json"),
+    *("1", "x", " ", "\n", "<|", "[E", "<", "é", "你", "{}", "[", "]", '"'),
+]
+
+
+def test_random_marker_soup_streams_like_parse(tok):
+    """Any mix of markers and text: no error, and text or ids in random chunks give what parse gives."""
+    rng = random.Random(0)
+    for _ in range(300):
+        text = rng.choice(["", "ok<|close|>think<|sep|>", A + "<|open|>tools<|sep|>"])
+        text += "".join(rng.choice(SOUP) for _ in range(rng.randint(0, 30)))
+        thinking = rng.random() < 0.5
+        whole = parse(text, thinking=thinking)
+        assert _stream(text, thinking, [rng.randint(1, 6) for _ in text])[0] == whole
+        ids = _as_generated(tok, text)
+        streamed, _ = _stream_ids(tok, ids, thinking, [rng.randint(1, 4) for _ in ids])
+        assert streamed == parse(ids, tokenizer=tok, thinking=thinking)
