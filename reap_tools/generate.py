@@ -48,10 +48,12 @@ def chat(pipe, prompt, max_new_tokens=256, sample=True, thinking=True):
     options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)
     messages = [{"role": "user", "content": prompt}]
     ids = pipe.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, thinking=thinking)
-    check_length(pipe, len(ids["input_ids"] if hasattr(ids, "keys") else ids), max_new_tokens)
-    out = pipe(messages, max_new_tokens=max_new_tokens, tokenizer_encode_kwargs={"thinking": thinking}, **options)
-    reply = out[0]["generated_text"][-1]["content"]
-    return parse(reply, thinking=thinking)
+    prompt_ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    check_length(pipe, len(prompt_ids), max_new_tokens)
+    out = pipe(messages, max_new_tokens=max_new_tokens, tokenizer_encode_kwargs={"thinking": thinking},
+               return_tensors=True, **options)
+    generated = list(out[0]["generated_token_ids"])[len(prompt_ids):]  # structure from the special ids, not text
+    return parse(generated, tokenizer=pipe.tokenizer, thinking=thinking)
 
 
 def main(argv=None):
