@@ -33,7 +33,7 @@ forward); the shipped checkpoint runs the stock model code.
 `train` writes into OUT: config.json (bf16 experts), weights-NN.safetensors (the state dict in pieces under 15 MiB)
 and train_log.json. `package` rebuilds the model from them, saves it with save_pretrained, converts the routed
 experts to MXFP4 with `python -m reap_tools quantize` (compressed-tensors' compressor), and adds the tokenizer files
-and the remote-code files (byte copies of the root ones, `copy_remote_code`).
+and the remote-code files (links to the root ones, `reap_tools.remote_code.link_remote_code`, once in place).
 """
 
 from __future__ import annotations
@@ -57,11 +57,8 @@ sys.path.insert(0, str(ROOT))
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3LatentMoE, KimiK3Router, situ_glu  # noqa: E402
-from reap_tools.tiny import AUTO_MAP, MODEL_CODE  # noqa: E402
-# Every file the demo directory shares with the repository root, as byte copies (tests/test_demo.py checks them):
-# the model's remote code (reap_tools.tiny.MODEL_CODE, kept by the model engineer) and the tokenizer's files.
-TOKENIZER_CODE = ("tokenization_kimi_k3.py", "kimi_k3_parsing.py", "chat_template.jinja")
-REMOTE_CODE = tuple(MODEL_CODE) + TOKENIZER_CODE
+from reap_tools.remote_code import copy_remote_code, link_remote_code  # noqa: E402
+from reap_tools.tiny import AUTO_MAP  # noqa: E402
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
 NUM_SPECIALS = 256
 SEQ_LEN = 512
@@ -110,24 +107,6 @@ def demo_config(num_ranks: int) -> KimiK3Config:
     ids = dict(bos_token_id=num_ranks, eos_token_id=num_ranks + 2, pad_token_id=num_ranks + NUM_SPECIALS - 1)
     text = dict(DEMO_SHAPE, vocab_size=num_ranks + NUM_SPECIALS, **ids)
     return KimiK3Config(text_config=text, quantization_config=None, auto_map=dict(AUTO_MAP), **ids)
-
-
-def copy_remote_code(dst: str | os.PathLike, git_ref: str | None = None) -> list[str]:
-    """Byte-copy the root's remote-code files (model, tokenizer, chat template) into `dst`; returns the names.
-
-    With `git_ref` (e.g. "HEAD") the files are taken as committed there rather than from the working tree.
-    """
-    dst = Path(dst)
-    for name in REMOTE_CODE:
-        if git_ref:
-            data = subprocess.run(["git", "show", f"{git_ref}:{name}"], cwd=ROOT, check=True, capture_output=True)
-            (dst / name).write_bytes(data.stdout)
-        else:
-            shutil.copyfile(ROOT / name, dst / name)
-    for stale in dst.glob("*.py"):
-        if stale.name not in REMOTE_CODE:
-            stale.unlink()
-    return list(REMOTE_CODE)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -506,6 +485,7 @@ def cmd_package(args):
         model.save_pretrained(bf16)
         write_tokenizer_files(bf16, data / "tiktoken.model")
         copy_remote_code(bf16)
+        shutil.copyfile(ROOT / "chat_template.jinja", bf16 / "chat_template.jinja")
         log = src / "train_log.json"
         if log.is_file():
             shutil.copyfile(log, bf16 / "train_log.json")
@@ -518,6 +498,7 @@ def cmd_package(args):
             shutil.copytree(bf16, keep)
         os.chmod(tmp / "mxfp4", 0o755)
         os.rename(tmp / "mxfp4", dst)
+        link_remote_code(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     size = sum(f.stat().st_size for f in dst.iterdir())
@@ -526,15 +507,16 @@ def cmd_package(args):
 
 
 def cmd_sync_code(args):
-    """Refresh a demo directory after the root code changed: tokenizer_config.json (chat template, specials) is
-    rewritten for its own tiktoken.model, and the remote-code files are copied again."""
+    """Refresh a demo directory after the root's tokenizer changed: tokenizer_config.json (chat template, specials)
+    is rewritten for its own tiktoken.model and chat_template.jinja copied; the remote-code files are (made) links
+    to the root ones, so they need no refreshing."""
     from tokenization_kimi_k3 import write_tokenizer_files
 
     dst = Path(args.dst)
     write_tokenizer_files(dst, dst / "tiktoken.model")
-    names = copy_remote_code(dst, args.git_ref)
-    source = f"as committed at {args.git_ref}" if args.git_ref else "from the working tree"
-    print(f"rewrote tokenizer_config.json and copied {', '.join(names)} ({source}) into {dst}")
+    shutil.copyfile(ROOT / "chat_template.jinja", dst / "chat_template.jinja")
+    names = link_remote_code(dst)
+    print(f"rewrote tokenizer_config.json, copied chat_template.jinja, linked {', '.join(names)} into {dst}")
     return 0
 
 
@@ -575,7 +557,6 @@ def main(argv=None):
     p.set_defaults(func=cmd_package)
     p = sub.add_parser("sync-code")
     p.add_argument("dst", nargs="?", default=str(ROOT / "demo" / "parent"))
-    p.add_argument("--git-ref", default=None, help='copy the files as committed at this ref (e.g. "HEAD")')
     p.set_defaults(func=cmd_sync_code)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -7,9 +7,9 @@ Kept experts keep ascending original order and are renumbered 0..N-1 per layer; 
 `gate.weight` rows and `gate.e_score_correction_bias` entries are sliced with the same ids, every
 other tensor is copied unchanged. The output gets new shards + model.safetensors.index.json, a
 config.json with `num_experts` (the max count) and, for non-uniform selections,
-`num_experts_per_layer` (0 for dense layers), the source's other release files (code, tokenizer, README,
-licence: the allow-list in release_files.py; dotfiles, folders and links out of the folder are never copied,
-and what was left out is listed on stderr) and the selection itself as reap_selection.json.
+`num_experts_per_layer` (0 for dense layers), the source's other release files (tokenizer, README, licence: the
+allow-list in release_files.py; dotfiles, folders and links out of the folder are never copied, and what was left
+out is listed on stderr), this package's remote code and the selection itself as reap_selection.json.
 
 Why raw byte ranges: bit-exactness by construction, kernel-side copies (copy_file_range) at disk
 speed, and a peak memory of headers only — not one tensor, not one shard. The output is written to
@@ -37,6 +37,7 @@ from .checkpoint import (
 from .cli import ArgumentParser, fail
 from .model_config import model_text_config
 from .release_files import release_files
+from .remote_code import REMOTE_CODE, copy_remote_code
 
 DEFAULT_MAX_SHARD = "5GB"
 # Seconds to sleep after each tensor; only for tests that interrupt a prune mid-way.
@@ -220,17 +221,20 @@ def _copy_other_files(src: Path, dst: Path) -> list[tuple[str, str]]:
     """Copy the source's release files (release_files) that prune does not write itself; return what was left out.
 
     Shards, index, config and selection are written fresh; a .safetensors file the index does not name is left out.
+    The remote-code files are this package's own (`remote_code.copy_remote_code`): the pruned checkpoint runs the
+    code that wrote it, whatever the source carried (a copy, a link into this repository, an older version).
     """
     taken, skipped = release_files(src)
     shard_files = set(shard_names(src))
     for p in taken:
-        if p.name in shard_files or p.name in WRITTEN_NAMES:
+        if p.name in shard_files or p.name in WRITTEN_NAMES or p.name in REMOTE_CODE:
             continue
         if p.suffix == ".safetensors":
             skipped.append((p.name, "not in the source index"))
         else:
             shutil.copy2(p, dst / p.name)
-    return skipped
+    copy_remote_code(dst)
+    return [(name, why) for name, why in skipped if name not in REMOTE_CODE]
 
 
 def prune_checkpoint(src_dir: str | Path, selection: str | Path | dict, dst_dir: str | Path, *,

@@ -20,10 +20,8 @@ from mxfp4 import mxfp4_quantization_config
 from reap_tools.checkpoint import CONFIG_NAME, INDEX_NAME, load_tensors, read_json, write_json
 from reap_tools.cli import ArgumentParser, fail
 from reap_tools.release_layout import tiny_vision_config, to_release_layout, vision_tensors
+from reap_tools.remote_code import MODEL_CODE, copy_remote_code
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kda.py", "mxfp4.py", "mxfp4_triton.py",
-              "fused_triton.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
     "AutoModel": "modeling_kimi_k3.KimiK3Model",
@@ -89,9 +87,8 @@ def random_model(config, seed=0):
 
 
 def copy_model_code(dst):
-    """Put the remote-code files next to a checkpoint."""
-    for name in MODEL_CODE:
-        shutil.copyfile(os.path.join(ROOT, name), os.path.join(dst, name))
+    """Put the model's remote-code files next to a checkpoint."""
+    copy_remote_code(dst, MODEL_CODE)
 
 
 def write_checkpoint(dst, model=None, packed=True, seed=0, max_shard_size=None, vision=False, **text_overrides):

@@ -13,15 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from reap_tools.tiny import MODEL_CODE
+from reap_tools.remote_code import REMOTE_CODE
 from tokenization_kimi_k3 import load_rank_file, tokenizer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demo" / "parent"
 PRUNED = ROOT / "demo" / "reap20"  # bench/retention.py --ship: the REAP-20 prune of DEMO
-# The remote-code files the demo must carry as byte copies of the root: the model's (reap_tools.tiny.MODEL_CODE)
-# and the tokenizer's.
-SHARED_FILES = tuple(MODEL_CODE) + ("tokenization_kimi_k3.py", "kimi_k3_parsing.py", "chat_template.jinja")
 SYNC = "python bench/train_demo.py sync-code demo/parent && python bench/train_demo.py sync-code demo/reap20"
 
 
@@ -43,22 +40,17 @@ def loaded(eval_demo):
 
 
 @pytest.mark.parametrize("checkpoint", [DEMO, PRUNED], ids=["parent", "reap20"])
-@pytest.mark.parametrize("name", SHARED_FILES)
-def test_demo_code_is_a_byte_copy_of_the_root(name, checkpoint):
-    root, demo = ROOT / name, checkpoint / name
-    assert root.is_file(), f"{name} missing at the repository root"
-    assert demo.is_file(), f"{demo} missing: run `{SYNC}`"
-    assert demo.read_bytes() == root.read_bytes(), f"{demo} differs from the root: run `{SYNC}`"
+def test_demo_code_links_to_the_root(checkpoint):
+    """The demos' remote code is the root's, by link (one edit changes every copy); no other .py file is there."""
+    assert {p.name for p in checkpoint.glob("*.py")} == set(REMOTE_CODE), f"run `{SYNC}`"
+    for name in REMOTE_CODE:
+        demo = checkpoint / name
+        assert demo.is_symlink() and demo.resolve() == (ROOT / name).resolve(), f"{demo}: run `{SYNC}`"
 
 
 @pytest.mark.parametrize("checkpoint", [DEMO, PRUNED], ids=["parent", "reap20"])
-def test_every_python_file_of_the_demo_is_a_root_copy(checkpoint):
-    names = {p.name for p in checkpoint.glob("*.py")}
-    assert names == {n for n in SHARED_FILES if n.endswith(".py")}, f"run `{SYNC}`"
-
-
-def test_sync_code_lists_the_same_files():
-    assert tuple(_bench("train_demo").REMOTE_CODE) == SHARED_FILES
+def test_demo_chat_template_is_the_roots(checkpoint):
+    assert (checkpoint / "chat_template.jinja").read_bytes() == (ROOT / "chat_template.jinja").read_bytes(), SYNC
 
 
 def test_release_layout_and_size():

@@ -200,3 +200,23 @@ def test_budget_prune_gives_per_layer_counts_that_load_and_generate(source, tmp_
     assert again["model"]["num_experts_per_layer"] == config["num_experts_per_layer"]
     check_report_matches(again, read_config(dst))
     assert {len(v) for v in plan_selection(again, num_experts=2)["layers"].values()} == {2}
+
+
+def test_prune_of_the_demo_writes_the_packages_code_where_the_source_links_to_it(tmp_path):
+    """demo/parent's remote code is links into this repository; the pruned checkpoint gets regular files holding
+    this package's code (never a link out of its folder), loads on its own and equals demo/reap20's logits."""
+    from reap_tools.remote_code import REMOTE_CODE, ROOT
+
+    demo = ROOT / "demo"
+    assert all((demo / "parent" / name).is_symlink() for name in REMOTE_CODE)
+    dst = tmp_path / "reap20"
+    prune_checkpoint(demo / "parent", demo / "reap20" / "reap_selection.json", dst, progress=False)
+    for name in REMOTE_CODE:
+        assert not (dst / name).is_symlink() and (dst / name).read_bytes() == (ROOT / name).read_bytes(), name
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(dst), str(moved))  # nothing in it points back at the repository
+    ids = torch.tensor([[5, 17, 9, 33, 2]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(moved, trust_remote_code=True)(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(demo / "reap20", trust_remote_code=True)(ids).logits
+    assert torch.equal(got, want)
