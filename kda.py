@@ -106,9 +106,6 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
 # 64 greedy steps of that model (bench/greedy_gpu.py, tests/test_gpu_paths.py), with fla's prefill the reference's
 # argmax is the chosen token at 81-88 % of steps (mean shortfall 0.013-0.021 logit std, largest 0.34-0.54, safe_gate
 # on or off), with fla for decode steps only at 97-98 % (mean 0.0006, largest 0.038-0.054), as with the Triton experts.
-# fla's `safe_gate` (16-row tensor-core sub-chunks, valid for gates bounded in [lower_bound, 0) with lower_bound
-# >= -5): None uses it whenever the bound allows; False never.
-SAFE_GATE = None
 
 _fla = None
 
@@ -134,11 +131,13 @@ def supported(device):
 
 
 def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, decode=False,
-                in_place=False, fla=False):
+                in_place=False, fla=False, safe_gate=True):
     """KDA core. q, k, g_raw: [B, T, H, K]; v: [B, T, H, V]; beta_raw: [B, T, H] (logits); A_log: [H];
     dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `decode` selects the step-by-step kernel;
     `in_place` lets fla's decode kernel write the new state over `initial_state` (a static cache's buffer; the
-    reference path always returns a new tensor). `fla` runs fla-core's kernel for this call where it loads.
+    reference path always returns a new tensor). `fla` runs fla-core's kernel for this call where it loads;
+    `safe_gate` lets its prefill kernel use fla's safe gate (16-row tensor-core sub-chunks, valid for gates bounded
+    in [lower_bound, 0) with lower_bound >= -5) wherever the bound allows.
 
     Returns (o [B, T, H, V] in v's dtype on the fla path, fp32 on the reference path; state [B, H, K, V] fp32).
     """
@@ -171,7 +170,7 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
         in_place = in_place and initial_state is not None
         o, state = fla_recurrent(q, k, v.contiguous(), g_raw, beta_raw, inplace_final_state=in_place, **common)
     else:
-        safe = SAFE_GATE is not False and lower_bound is not None and -5 <= lower_bound < 0
+        safe = safe_gate and lower_bound is not None and -5 <= lower_bound < 0
         o, state = fla_chunk(q, k, v.contiguous(), g_raw, beta_raw, safe_gate=safe, **common)
     return o, state
 

@@ -463,18 +463,13 @@ def bench_kda_core(tokens, reps, seed):
             ref_o, ref_s = kda.chunk_kda(kda.l2norm(q.float()), kda.l2norm(k.float()), v.float(), g,
                                          torch.sigmoid(beta_raw.float()), scale=dim**-0.5)
         out["reference_ms"] = t.ms
-        previous = kda.SAFE_GATE
-        try:
-            for safe in (None, False):
-                kda.SAFE_GATE = safe
-                run = lambda: kda.kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0,  # noqa: E731
-                                                  dim**-0.5, fla=True)
-                o, state = run()
-                out["safe_gate" if safe is None else "no_safe_gate"] = {
-                    "ms": time_ms(run, reps), "o_rel_err": float((o.float() - ref_o).norm() / ref_o.norm()),
-                    "state_rel_err": float((state - ref_s).norm() / ref_s.norm())}
-        finally:
-            kda.SAFE_GATE = previous
+        for safe in (True, False):
+            run = lambda: kda.kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0,  # noqa: E731
+                                          dim**-0.5, fla=True, safe_gate=safe)
+            o, state = run()
+            out["safe_gate" if safe else "no_safe_gate"] = {
+                "ms": time_ms(run, reps), "o_rel_err": float((o.float() - ref_o).norm() / ref_o.norm()),
+                "state_rel_err": float((state - ref_s).norm() / ref_s.norm())}
     return out
 
 
