@@ -15,10 +15,10 @@ import dataclasses
 import json
 import os
 import re
-import struct
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
@@ -1268,25 +1268,13 @@ def read_safetensors_headers(directory):
         path = os.path.join(directory, name)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: listed in model.safetensors.index.json but missing")
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError(f"{path}: truncated safetensors file ({size} bytes)")
-            header_len = struct.unpack("<Q", head)[0]
-            if 8 + header_len > size:
-                raise ValueError(f"{path}: truncated safetensors header ({size} bytes, header says {header_len})")
-            try:
-                header = json.loads(f.read(header_len))
-                header.pop("__metadata__", None)
-                entries = {key: (str(meta["dtype"]), tuple(int(d) for d in meta["shape"]), int(meta["data_offsets"][1]))
-                           for key, meta in header.items()}
-            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
-                raise ValueError(f"{path}: corrupt safetensors header ({err!r})") from None
-        end = max((e[2] for e in entries.values()), default=0)
-        if 8 + header_len + end != size:
-            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + header_len + end})")
-        for key, (dtype, shape, _) in entries.items():
+        try:  # safetensors checks the header and that the file holds every byte it promises
+            with safe_open(path, "pt") as f:
+                slices = {key: f.get_slice(key) for key in f.keys()}
+                entries = {key: (t.get_dtype(), tuple(t.get_shape())) for key, t in slices.items()}
+        except Exception as err:  # safetensors' own error types differ between releases
+            raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt ({err})") from None
+        for key, (dtype, shape) in entries.items():
             if weight_map is not None and weight_map.get(key) != name:
                 raise ValueError(f"{path}: holds {key}, which model.safetensors.index.json places in "
                                  f"{weight_map.get(key)}")
