@@ -14,6 +14,7 @@ from test_prune_verify import UNIFORM, flip_byte, make_checkpoint, selection  # 
 
 from reap_tools import upload  # noqa: E402
 from reap_tools.prune import prune_checkpoint  # noqa: E402
+from reap_tools.remote_code import REMOTE_CODE  # noqa: E402
 from reap_tools.upload import UploadRefused, upload_checkpoint  # noqa: E402
 
 P = "language_model.model.layers."
@@ -43,8 +44,8 @@ def test_dry_run_lists_files_with_sizes(pruned, capsys):
     listed = {line.split()[0] for line in out[:-1]}
     shards = {p.name for p in dst.glob("model-*.safetensors")}
     assert len(shards) >= 3
-    assert {"config.json", "model.safetensors.index.json", "reap_selection.json", "modeling_kimi_k3.py",
-            "tokenizer_config.json"} | shards == listed
+    assert {"config.json", "model.safetensors.index.json", "reap_selection.json", "tokenizer_config.json",
+            *REMOTE_CODE} | shards == listed
     assert not any("__pycache__" in name or "extra" in name for name in listed)
     assert out[-1].startswith("dry run: ") and "org/model" in out[-1]
     r = upload_checkpoint(dst, "org/model", dry_run=True, progress=False)
