@@ -277,6 +277,11 @@ def _content(out: _Segments, content: Any) -> None:
         out.text(part["text"])
 
 
+def _first_set(message: Mapping, *keys: str) -> Any:
+    """The first of `keys` that `message` holds with a value other than None (OpenAI clients send nulls)."""
+    return next((message[key] for key in keys if message.get(key) is not None), None)
+
+
 def _order_tool_results(messages: list[Mapping]) -> list[Mapping]:
     """Put each run of tool results in the order of the calls they answer, as upstream does.
 
@@ -299,7 +304,7 @@ def _order_tool_results(messages: list[Mapping]) -> list[Mapping]:
             continue
         run = []
         while i < len(messages) and messages[i].get("role") == "tool":
-            call_id = messages[i].get("tool_call_id", messages[i].get("id"))
+            call_id = _first_set(messages[i], "tool_call_id", "id")
             run.append((positions.get(str(call_id)) if call_id is not None else None, messages[i]))
             i += 1
         if any(match is None for match, _ in run):
@@ -420,7 +425,7 @@ def _render(
             out.control(END_OF_MSG)
         elif role == "tool":
             tool_index += 1
-            name = message.get("tool", message.get("name"))
+            name = _first_set(message, "tool", "name")
             if name is None and tool_index <= len(calls):
                 name = _function(calls[tool_index - 1])["name"]
             if name is None:

@@ -5,6 +5,8 @@ placement, empty think channel, tool-result order, directives). Used by test_cha
 renderer, Jinja template, token ids) and test_parsing (assistant turns parse back).
 """
 
+import json
+
 EFFORT_MAX = (
     '<|open|>message role="system" type="thinking-effort"<|sep|>'
     "`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), "
@@ -306,3 +308,132 @@ CASES = {
         + "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>",
     ),
 }
+
+
+def _json_arguments(messages, dumps):
+    """`messages` with every tool call's dict arguments given as the JSON string `dumps(arguments)`."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {
+                **message,
+                "tool_calls": [
+                    {**call, "function": {**call["function"], "arguments": dumps(call["function"]["arguments"])}}
+                    for call in calls
+                ],
+            }
+        out.append(message)
+    return out
+
+
+def _call(arguments, name="f"):
+    """A one-call conversation (thinking off) whose call has these `arguments`."""
+    return [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": name, "arguments": arguments}}]},
+    ]
+
+
+def _rendered_call(body, name="f"):
+    return (
+        '<|open|>message role="user"<|sep|>go<|close|>message<|sep|><|end_of_msg|>'
+        '<|open|>message role="assistant"<|sep|><|open|>response<|sep|><|close|>response<|sep|>'
+        f'<|open|>tools<|sep|><|open|>call tool="{name}" index="1"<|sep|>{body}<|close|>call<|sep|>'
+        "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    )
+
+
+def _arg(key, kind, value):
+    return f'<|open|>argument key="{key}" type="{kind}"<|sep|>{value}<|close|>argument<|sep|>'
+
+
+# Tool-call arguments as JSON strings (what OpenAI clients send): the same expected rendering as
+# the dict form. Kept out of CASES, whose messages test_parsing compares with parsed dicts.
+JSON_ARGUMENT_CASES = {
+    f"{name}-json-{style}": (_json_arguments(messages, dumps), tools, options, expected)
+    for name, (messages, tools, options, expected) in CASES.items()
+    if any(m.get("tool_calls") for m in messages)
+    for style, dumps in {
+        "ascii": json.dumps,
+        "compact": lambda v: json.dumps(v, ensure_ascii=False, separators=(",", ":")),
+        "indented": lambda v: json.dumps(v, indent=2),
+    }.items()
+}
+JSON_ARGUMENT_CASES.update(
+    {
+        "json-escapes-and-surrogates": (
+            _call(r'{"s": "a\"b\\c\/d\b\f\n\r\t\u00e9\ud83d\ude00\ud800x", "o": {"k\u0001": "\u0022\n"}}'),
+            None,
+            {"thinking": False},
+            _rendered_call(
+                _arg("s", "string", 'a"b\\c/d\b\f\n\r\té😀\ud800x')
+                + _arg("o", "object", '{"k\\u0001": "\\"\\n"}')
+            ),
+        ),
+        "json-numbers-and-literals": (
+            _call('{"i": -0, "big": 123456789012345678901234567890, "e": 1E2, "f": 2.50, "t": true, "n": null,'
+                  ' "nan": NaN, "inf": -Infinity, "huge": 1e400, "a": [1.0e-7, false, {}, []]}'),
+            None,
+            {"thinking": False},
+            _rendered_call(
+                _arg("i", "number", "0")
+                + _arg("big", "number", "123456789012345678901234567890")
+                + _arg("e", "number", "100.0")
+                + _arg("f", "number", "2.5")
+                + _arg("t", "boolean", "true")
+                + _arg("n", "null", "null")
+                + _arg("nan", "number", "NaN")
+                + _arg("inf", "number", "-Infinity")
+                + _arg("huge", "number", "Infinity")
+                + _arg("a", "array", "[1e-07, false, {}, []]")
+            ),
+        ),
+        "json-repeated-keys-keep-first-place-last-value": (
+            _call('{"a": 1, "b": {"x": 1, "y": 2, "x": [3]}, "a": "again"}'),
+            None,
+            {"thinking": False},
+            _rendered_call(_arg("a", "string", "again") + _arg("b", "object", '{"x": [3], "y": 2}')),
+        ),
+        "json-attribute-escaping-of-keys": (
+            _call('{"k&\\"q": "<v>"}', name='n&"m'),
+            None,
+            {"thinking": False},
+            _rendered_call(_arg("k&amp;&quot;q", "string", "<v>"), name="n&amp;&quot;m"),
+        ),
+        "json-empty-object-and-blank-string": (
+            [*_call("{}"), {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "g", "arguments": " \n"}}]}],
+            None,
+            {"thinking": False},
+            _rendered_call("")
+            + '<|open|>message role="assistant"<|sep|><|open|>response<|sep|><|close|>response<|sep|>'
+            '<|open|>tools<|sep|><|open|>call tool="g" index="1"<|sep|><|close|>call<|sep|>'
+            "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>",
+        ),
+    }
+)
+# Not JSON (as json.loads(strict) reads it): written verbatim in a json block by both renderers.
+NOT_JSON = ['{"a": 1', '{"a": 01}', '{"a": .5}', '{"a": 1,}', "{'a': 1}", '{"a": "x\ny"}', '{"a": "\\x"}',
+            '{"a": "\\u12"}', '{"a": tru}', '{"a": 1} x', '{"a" 1}', '{"a": [1 2]}', '\ufeff{"a": 1}', "[1, 2"]
+for i, text in enumerate(NOT_JSON):
+    JSON_ARGUMENT_CASES[f"not-json-{i}"] = (
+        _call(text),
+        None,
+        {"thinking": False},
+        _rendered_call(f'<|open|>json type="object"<|sep|>{text}<|close|>json<|sep|>'),
+    )
+# Tool results named by `name` where `tool` (or `tool_call_id`) is present but null, as OpenAI
+# clients send them.
+JSON_ARGUMENT_CASES["tool-none-and-name"] = (
+    [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": None, "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool": None, "tool_call_id": None, "name": "lookup", "content": "r1"},
+        {"role": "tool", "tool": None, "name": "second", "content": "r2"},
+    ],
+    None,
+    {"thinking": False},
+    _rendered_call("")
+    + '<|open|>message role="tool" tool="lookup" index="1"<|sep|>r1<|close|>message<|sep|><|end_of_msg|>'
+    + '<|open|>message role="tool" tool="second" index="2"<|sep|>r2<|close|>message<|sep|><|end_of_msg|>',
+)

@@ -3,8 +3,9 @@
 from pathlib import Path
 
 import pytest
-from chat_cases import CASES, EFFORT_MAX, PROMPT_THINK
+from chat_cases import CASES, EFFORT_MAX, JSON_ARGUMENT_CASES, PROMPT_THINK
 from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -21,9 +22,21 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
 
 
+# What serving engines that render Jinja themselves use: no transformers filters or globals.
+PLAIN = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string(TEMPLATE)
+ALL_CASES = {**CASES, **JSON_ARGUMENT_CASES}
+
+
 def jinja(messages, tools=None, **options):
     rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=TEMPLATE, **options)
     return rendered[0]
+
+
+def plain_jinja(messages, tools=None, **options):
+    return PLAIN.render(messages=messages, tools=tools, **options)
+
+
+JINJA = {"transformers": jinja, "plain-sandbox": plain_jinja}
 
 
 def python(messages, tools=None, **options):
@@ -36,10 +49,69 @@ def test_python_renderer_matches_spec(name):
     assert python(messages, tools, **options) == expected
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_jinja_template_renders_the_same_bytes(name):
-    messages, tools, options, expected = CASES[name]
-    assert jinja(messages, tools, **options) == expected
+@pytest.mark.parametrize("name", JSON_ARGUMENT_CASES)
+def test_python_renderer_json_string_arguments(name):
+    messages, tools, options, expected = JSON_ARGUMENT_CASES[name]
+    assert python(messages, tools, **options) == expected
+
+
+@pytest.mark.parametrize("env", JINJA)
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_jinja_template_renders_the_same_bytes(name, env):
+    messages, tools, options, expected = ALL_CASES[name]
+    assert JINJA[env](messages, tools, **options) == expected
+
+
+def test_template_needs_no_json_filter():
+    """tojson differs between the two environments (sort_keys, HTML escapes, ASCII) and fromjson exists in neither."""
+    assert "tojson" not in TEMPLATE.split("-#}", 1)[1].replace("no tojson / fromjson", "")
+    assert "fromjson" not in TEMPLATE.split("-#}", 1)[1].replace("no tojson / fromjson", "")
+
+
+@pytest.mark.parametrize("env", JINJA)
+def test_random_json_string_arguments_match_python(env):
+    """Random argument dicts, serialised in random styles (and sometimes broken), render alike."""
+    import json
+    import random
+
+    rng = random.Random(16)
+    chars = ["a", "é", '"', "\\", "\n", "\x01", "\t", "/", "😀", "\u2028", " ", "<", "&", "\ud800", "\x7f"]
+
+    def text():
+        return "".join(rng.choice(chars) for _ in range(rng.randint(0, 5)))
+
+    def value(depth=0):
+        kind = rng.randint(0, 7 if depth < 3 else 4)
+        if kind == 0:
+            return None
+        if kind == 1:
+            return rng.choice([True, False])
+        if kind == 2:
+            return rng.choice([0, -3, 10**20, 1.5, -0.0, 1e300, 2.5e-8, float("nan"), float("inf")])
+        if kind in (3, 4):
+            return text()
+        if kind in (5, 6):
+            return {text(): value(depth + 1) for _ in range(rng.randint(0, 3))}
+        return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+
+    breaks = ['"', ",", "}", "]", "\\", "\\u", "\\ud83d\\ude00", "\\uDC00", "1e5", "-", "01", ".5", "tru", "\x02"]
+    for _ in range(150):
+        arguments = {text(): value() for _ in range(rng.randint(0, 4))}
+        encoded = json.dumps(arguments, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        if rng.random() < 0.3:
+            at = rng.randrange(len(encoded) + 1)
+            encoded = encoded[:at] + rng.choice(breaks) + encoded[at + 1 :]
+        messages = [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": encoded}}]},
+        ]
+        try:
+            expected = python(messages)
+        except ValueError:
+            with pytest.raises(TemplateError):
+                JINJA[env](messages)
+            continue
+        assert JINJA[env](messages) == expected, encoded
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -166,6 +238,10 @@ def test_arguments_given_as_json_strings():
     assert jinja(conversation(broken)) == text
     with pytest.raises(ValueError, match="JSON object"):
         python(conversation({"function": {"name": "f", "arguments": "[1, 2]"}}))
+    for render in JINJA.values():
+        assert render(conversation(call)) == python(conversation(as_dict))
+        with pytest.raises(TemplateError, match="JSON object"):
+            render(conversation({"function": {"name": "f", "arguments": "[1, 2]"}}))
 
 
 @pytest.mark.parametrize(
@@ -180,8 +256,10 @@ def test_arguments_given_as_json_strings():
 def test_bad_conversations_are_refused_by_both_renderers(messages, match):
     with pytest.raises(ValueError, match=match):
         python(messages)
-    with pytest.raises(TemplateError):
+    with pytest.raises(TemplateError, match=match):
         jinja(messages)
+    with pytest.raises(TemplateError, match=match):  # no raise_exception there: the error still says why
+        plain_jinja(messages)
 
 
 def test_bad_calls():
