@@ -1,21 +1,30 @@
 """Upload a verified checkpoint folder to the Hugging Face Hub.
 
     python -m reap_tools upload DIR REPO_ID [--source SRC_DIR] [--private] [--revision BRANCH]
-        [--message "..."] [--dry-run]
+        [--message "..."] [--method auto|large|folder] [--dry-run]
 
 `verify` runs first (with sha256 checks against --source when given); a folder that fails it, a
 half-written `.<name>.partial-<pid>` folder or one without config.json / weights is refused, so
-only complete checkpoints reach the Hub. Then `create_repo(exist_ok=True)` and `upload_folder`
-(huggingface_hub; the token comes from `huggingface-cli login` or HF_TOKEN). Only the release files go
-(the allow-list in release_files.py: weights, index, configs, tokenizer, chat template, top-level remote
-code, README, licence, reap_selection.json); dotfiles such as `.env`, folders and symlinks out of the
-folder never do, and what is left out is listed on stderr. --dry-run lists the files that would go, with
-sizes, and touches no network.
+only complete checkpoints reach the Hub. Only the release files go (the allow-list in release_files.py:
+weights, index, configs, tokenizer, chat template, top-level remote code, README, licence,
+reap_selection.json); dotfiles such as `.env` or `.git`, folders and symlinks out of the folder never do,
+and what is left out is listed on stderr. The token comes from `huggingface-cli login` or HF_TOKEN.
+
+How (`--method`, default auto): folders of LARGE_FOLDER_BYTES or more (the 629 GB release) go through
+huggingface_hub's resumable `upload_large_folder` (several commits; rerun the same command to resume an
+interrupted upload), smaller ones through `upload_folder` in one commit with --message. The large upload
+runs on a staging folder, `DIR/.cache/reap_tools-upload/`, that holds one link per release file and nothing
+else, so the hub library walks only those (never a nested `.git` or any other folder) and keeps its resume
+state there. huggingface_hub 1.x and later have no `upload_large_folder`: their `upload_folder` is the
+resumable, multi-commit upload when `hf_xet` is installed, and is used instead (a large folder without
+`hf_xet` is refused). --dry-run lists the files that would go, with sizes and the method, and touches no
+network.
 """
 
 from __future__ import annotations
 
 import glob
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +33,12 @@ from .checkpoint import CONFIG_NAME, INDEX_NAME, PARTIAL_RE, human, shard_names
 from .cli import ArgumentParser, fail
 from .release_files import release_files
 from .verify import verify_checkpoint
+
+
+# From this many bytes of release files on, `auto` uploads with upload_large_folder (resumable, many commits).
+LARGE_FOLDER_BYTES = 20 * 2**30
+METHODS = ("auto", "large", "folder")
+STAGING = Path(".cache") / "reap_tools-upload"  # inside the checkpoint folder; a dotted folder, never uploaded
 
 
 class UploadRefused(RuntimeError):
@@ -37,6 +52,7 @@ class UploadResult:
     dry_run: bool
     url: str | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, why it is not uploaded)
+    method: str = "upload_folder"  # the HfApi method that uploads (or would upload) the files
 
     @property
     def total_size(self) -> int:
@@ -49,12 +65,62 @@ def upload_files(folder: Path) -> tuple[list[tuple[str, int]], list[tuple[str, s
     return [(p.name, p.stat().st_size) for p in taken], skipped
 
 
+def staging_folder(folder: Path, files: list[tuple[str, int]]) -> Path:
+    """`folder/.cache/reap_tools-upload/`: one relative link per release file and nothing else (stale ones go).
+
+    upload_large_folder walks every file under the folder it is given and keeps its resume state in
+    `.cache/huggingface/` there; given this folder it sees only the release files (never a nested `.git`), and
+    the same folder, hence the same resume state, is used again when the command is rerun.
+    """
+    stage = folder / STAGING
+    stage.mkdir(parents=True, exist_ok=True)
+    names = {name for name, _ in files}
+    for entry in stage.iterdir():
+        if entry.is_symlink() and entry.name not in names:
+            entry.unlink()
+    for name in names:
+        link, target = stage / name, os.path.relpath(folder / name, stage)
+        if link.is_symlink() and os.readlink(link) == target:
+            continue
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return stage
+
+
+def _xet_available() -> bool:
+    try:
+        from huggingface_hub.utils._runtime import is_xet_available
+    except ImportError:
+        return False
+    return is_xet_available()
+
+
+def choose_method(api, total_size: int, method: str = "auto") -> str:
+    """The HfApi method for `total_size` bytes: upload_large_folder when the folder is large and the api has it."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    large = method == "large" or (method == "auto" and total_size >= LARGE_FOLDER_BYTES)
+    if not large:
+        return "upload_folder"
+    if api is None:
+        from huggingface_hub import HfApi as api  # only its attributes are read: no network
+    if hasattr(api, "upload_large_folder"):
+        return "upload_large_folder"
+    if not _xet_available():
+        raise UploadRefused(f"{human(total_size)} is too large for one commit, and this huggingface_hub has no "
+                            "upload_large_folder: install hf_xet (`pip install hf_xet`) for its resumable, "
+                            "multi-commit upload_folder, or pass --method folder to force one commit")
+    return "upload_folder"  # huggingface_hub >= 1 with hf_xet: upload_folder is the resumable pipeline
+
+
 def upload_checkpoint(folder: str | Path, repo_id: str, *, source: str | Path | None = None, private: bool = False,
                       revision: str | None = None, commit_message: str | None = None, dry_run: bool = False,
-                      api=None, progress: bool = True) -> UploadResult:
+                      api=None, progress: bool = True, method: str = "auto") -> UploadResult:
     """Verify `folder`, then upload it to model repo `repo_id` (or only list it, with dry_run).
 
-    `api` is an HfApi-like object (tests pass a mock); by default huggingface_hub.HfApi().
+    `api` is an HfApi-like object (tests pass a mock); by default huggingface_hub.HfApi(). `method`:
+    "auto" (upload_large_folder from LARGE_FOLDER_BYTES on), "large" or "folder" (one upload_folder commit).
     """
     folder = Path(folder)
     if PARTIAL_RE.match(folder.name):
@@ -71,18 +137,29 @@ def upload_checkpoint(folder: str | Path, repo_id: str, *, source: str | Path | 
         reasons = dict(skipped)
         raise UploadRefused("the checkpoint needs files that are not uploaded: "
                             + ", ".join(f"{name} ({reasons.get(name, 'not a release file')})" for name in left_out))
+    chosen = choose_method(api, sum(size for _, size in files), method)
     if dry_run:
-        return UploadResult(repo_id, files, dry_run=True, skipped=skipped)
+        return UploadResult(repo_id, files, dry_run=True, skipped=skipped, method=chosen)
     if api is None:
         from huggingface_hub import HfApi
         api = HfApi()
     api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
     if revision is not None:
         api.create_branch(repo_id=repo_id, repo_type="model", branch=revision, exist_ok=True)
+    patterns = [glob.escape(name) for name, _ in files]
+    if chosen == "upload_large_folder":
+        # Commits are made (and named) by huggingface_hub; --message does not apply.
+        api.upload_large_folder(repo_id=repo_id, folder_path=str(staging_folder(folder, files)), repo_type="model",
+                                revision=revision, private=private, allow_patterns=patterns,
+                                print_report=progress)
+        tree = f"tree/{revision}" if revision else "tree/main"
+        return UploadResult(repo_id, files, dry_run=False, url=f"https://huggingface.co/{repo_id}/{tree}",
+                            skipped=skipped, method=chosen)
     commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", revision=revision,
                                commit_message=commit_message or f"Upload {folder.name} ({len(files)} files, verified)",
-                               allow_patterns=[glob.escape(name) for name, _ in files])
-    return UploadResult(repo_id, files, dry_run=False, url=str(getattr(commit, "commit_url", commit)), skipped=skipped)
+                               allow_patterns=patterns)
+    return UploadResult(repo_id, files, dry_run=False, url=str(getattr(commit, "commit_url", commit)), skipped=skipped,
+                        method=chosen)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--private", action="store_true", help="create the repo private")
     ap.add_argument("--revision", help="branch to upload to (created if missing)")
     ap.add_argument("--message", help="commit message")
+    ap.add_argument("--method", choices=METHODS, default="auto",
+                    help=f"auto: upload_large_folder (resumable) from {human(LARGE_FOLDER_BYTES)} on, else upload_folder; "
+                         "large / folder force one")
     ap.add_argument("--dry-run", action="store_true", help="list what would be uploaded; no network")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar while verifying")
     args = ap.parse_args(argv)
     try:
         r = upload_checkpoint(args.folder, args.repo_id, source=args.source, private=args.private,
                               revision=args.revision, commit_message=args.message, dry_run=args.dry_run,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, method=args.method)
     except UploadRefused as e:
         print(f"upload: refused: {e}", file=sys.stderr)
         return 1
@@ -111,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         width = max((len(name) for name, _ in r.files), default=0)
         for name, size in r.files:
             print(f"{name:<{width}}  {human(size):>10}")
-        print(f"dry run: {len(r.files)} files, {human(r.total_size)} would go to {r.repo_id}")
+        print(f"dry run: {len(r.files)} files, {human(r.total_size)} would go to {r.repo_id} with {r.method}")
     else:
         print(f"uploaded {len(r.files)} files, {human(r.total_size)} to {r.repo_id}: {r.url}")
     return 0
