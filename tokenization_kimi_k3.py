@@ -19,12 +19,18 @@ import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import tiktoken
 from transformers import AddedToken, PreTrainedTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
+
+if TYPE_CHECKING:
+    # Never run. transformers' remote-code loader follows the relative imports of this file (a line match, so
+    # this one counts): loading the tokenizer with trust_remote_code fetches kimi_k3_parsing.py, the reply
+    # parser the model card tells users to import, and save_pretrained copies it beside this file.
+    from .kimi_k3_parsing import parse  # noqa: F401
 
 # Pre-tokenisation regex of the Kimi tokenizers, as `pat_str` in Moonshot's `tokenization_kimi.py`
 # (moonshotai/Kimi-K2-Instruct, Kimi-Linear-48B-A3B-Instruct, Kimi-K3). The `&&` class
