@@ -32,7 +32,7 @@ try:
     from .fused_triton import short_conv as fused_short_conv
     from .kda import kda_forward, supported as fla_supported
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
-    from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
+    from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
     from .mxfp4_triton import supported as experts_kernel_supported
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config, check_fast_paths
@@ -41,7 +41,7 @@ except ImportError:  # imported from the repository root rather than as transfor
     from fused_triton import short_conv as fused_short_conv
     from kda import kda_forward, supported as fla_supported
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
-    from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts
+    from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
     from mxfp4_triton import supported as experts_kernel_supported
 
 # Under transformers' own logger, so that its verbosity settings (`transformers.logging.set_verbosity_info()`) reach
@@ -636,6 +636,41 @@ class KimiK3LatentMoE(nn.Module):
         )
         self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
         self.shared_experts = KimiK3MLP(config, config.num_shared_experts * config.moe_intermediate_size)
+        self.expert_stack = None  # the MXFP4 experts' packs stacked [E, ...]; see stack_experts
+
+    def _expert_key(self):
+        first, last = self.experts[0], self.experts[-1]
+        return (len(self.experts),) + tuple(p.data_ptr() for p in (first.w1.weight_packed, last.w2.weight_scale))
+
+    def stack_experts(self):
+        """Stack the MXFP4 experts' packs into one [E, ...] tensor per weight (`mxfp4_triton.stack_experts`; the
+        per-expert parameters become views of them, so nothing is held twice), which the batched reference and the
+        expert kernels read. Called at load (`post_init`, `from_pretrained`) and after a move (`_apply`), never by
+        a forward; a no-op where the stack is current. None for float experts and for experts not all on one real
+        device (e.g. offloaded by accelerate): those run the per-expert loop."""
+        first = self.experts[0].w1
+        if not isinstance(first, MXFP4Linear) or first.weight_packed.device.type == "meta":
+            self.expert_stack = None
+        elif self.expert_stack is None or self.expert_stack.key != self._expert_key():
+            self.expert_stack = stack_expert_packs(self.experts)
+            if self.expert_stack is not None:
+                self.expert_stack = self.expert_stack._replace(key=self._expert_key())
+        return self.expert_stack
+
+    def stack_on(self, device):
+        """The expert stack where it is current and on `device`, else None (the caller runs the per-expert loop):
+        a stack left behind by parameters replaced since (`load_state_dict(assign=True)`) is never read."""
+        stack = self.expert_stack
+        if stack is None or stack.w1.device != device or stack.key != self._expert_key():
+            return None
+        return stack
+
+    def _apply(self, fn, *args, **kwargs):
+        """`.to()` / `.cuda()` move each expert parameter on its own: stack them again where they were stacked."""
+        super()._apply(fn, *args, **kwargs)
+        if self.expert_stack is not None:
+            self.stack_experts()
+        return self
 
     def forward(self, x):
         shape = x.shape
@@ -649,8 +684,7 @@ class KimiK3LatentMoE(nn.Module):
             shared = self.shared_experts(flat)
         z = self.routed_expert_down_proj(flat)
         routing.join()
-        packed = isinstance(self.experts[0].w1, MXFP4Linear)
-        pairs = triton_routed_experts(self, z, ids, weights) if fast.experts and packed else None  # None: n/a here
+        pairs = triton_routed_experts(self, z, ids, weights) if fast.experts else None  # None: n/a here
         if pairs is None:
             y = self.routed_expert_norm(self.routed_experts(z, ids, weights).to(z.dtype))
         else:
@@ -692,20 +726,16 @@ class KimiK3LatentMoE(nn.Module):
     def packed_experts(self, routed, counts):
         """`expert_e(rows)` in fp32 for MXFP4 experts, `routed` [pairs, L] sorted by expert with `counts[e]` rows
         each: the per-expert loop's result from a few large ops instead of ~12 small ones per expert. None where the
-        experts are not MXFP4 or not all on `routed`'s device (e.g. offloaded by accelerate, whose hooks load them
-        only for the expert's own forward): the caller then runs the loop.
+        experts are not stacked on `routed`'s device (float experts, or offloaded by accelerate, whose hooks load
+        them only for the expert's own forward): the caller then runs the loop.
 
-        The packs are read from the layer's expert stacks (`mxfp4_triton.stack_experts`, which the per-expert
-        parameters then view). Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights):
+        The packs are read from the layer's expert stack (`stack_experts`). Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights):
         one dequantization of all their w1 and w3 packs and one of their w2 packs (after the first is used), each
         followed, where every expert has the same number of rows (a decode step), by a batched matmul over the
         chunk, else by a matmul per expert (and one SiTU-GLU call over all their rows).
         """
-        first = self.experts[0]
-        if not isinstance(first.w1, MXFP4Linear) or first.w1.weight_packed.device != routed.device:
-            return None
-        stack = stack_experts(self)
-        if stack is None:  # the experts are on several devices
+        first, stack = self.experts[0], self.stack_on(routed.device)
+        if stack is None:
             return None
         latent, inner = stack.latent, stack.inner
         hit = [e for e, count in enumerate(counts) if count]
@@ -1173,6 +1203,17 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                 p = (rate / bound).clamp(max=0.5)
                 module.dt_bias.copy_(torch.log(p / (1 - p)))
 
+    def post_init(self):
+        super().post_init()
+        self.stack_experts()
+
+    def stack_experts(self):
+        """Stack every MoE block's MXFP4 experts (`KimiK3LatentMoE.stack_experts`): done at construction and load;
+        call it again after replacing expert parameters by hand."""
+        for module in self.modules():
+            if isinstance(module, KimiK3LatentMoE):
+                module.stack_experts()
+
     @classmethod
     def _supports_default_dynamic_cache(cls):
         """The hybrid KDA/MLA state is not a DynamicCache; the model makes its own `KimiK3Cache`."""
@@ -1195,6 +1236,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             cls.check_checkpoint(path, config)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                               **kwargs)
+        model.stack_experts()  # the loaded packs replaced the ones stacked at construction
         for device in {p.device for p in model.parameters()} - {torch.device("meta")}:
             model.language_model.model.dispatch.at(device)  # resolve (and log) the fast paths once per device
         cls._raise_on_key_problems(

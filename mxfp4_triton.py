@@ -25,8 +25,8 @@ The matrix step (`UPCAST`) turns the nibbles into bf16 MMA operands in registers
 Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
 A block whose `experts` fast path is on calls `routed_experts`, which returns None where its experts cannot take
-it (not on the activations' device) so that the block falls back to its reference, and `stack_experts`, whose
-stacks that reference path reads too.
+it (not stacked on the activations' device) so that the block falls back to its reference. The stacks come from
+`stack_experts`, which the block calls at load and after a move (never in a forward); its reference reads them too.
 """
 
 import os
@@ -86,23 +86,16 @@ def supported(device):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _stack_key(moe):
-    first, last = moe.experts[0], moe.experts[-1]
-    return (len(moe.experts),) + tuple(p.data_ptr() for p in (first.w1.weight_packed, last.w2.weight_scale))
+def scales_fit_lop3(*scales):
+    """Whether every E8M0 scale code is at most LOP3_MAX_SCALE_CODE (one host read), so the lop3 upcast applies."""
+    return all(bool(s.max() <= LOP3_MAX_SCALE_CODE) for s in scales)
 
 
-def stack_experts(moe, share=True):
-    """[E, ...] stacks of the per-expert packs of `moe`, built once and cached on the module.
-
-    With `share` the per-expert parameters are then re-pointed at views of the stacks, so the experts are held
-    once (the values, shapes and names of the parameters are unchanged). The cache is rebuilt only if the
-    parameters were replaced since (e.g. by `.to()`), which the data pointers of two of them reveal, or the
-    number of experts changed.
+def stack_experts(experts, key=None):
+    """[E, ...] stacks of the per-expert packs of `experts` (a block's ModuleList of MXFP4 experts), and the per-expert
+    parameters re-pointed at views of them, so the packs are held once (values, shapes and names unchanged). None
+    where the experts are not all on one device. `key` is stored with the stack for its owner's staleness check.
     """
-    cached = getattr(moe, "_mxfp4_stack", None)
-    if cached is not None and cached.key == _stack_key(moe):
-        return cached
-    experts = moe.experts
     device = experts[0].w1.weight_packed.device
     stacks = {}
     for name in ("w1", "w3", "w2"):
@@ -111,16 +104,13 @@ def stack_experts(moe, share=True):
             if any(p.device != device for p in params):
                 return None
             stacked = torch.stack([p.data for p in params]).contiguous()
-            if share:
-                for i, p in enumerate(params):
-                    p.data = stacked[i]
+            for i, p in enumerate(params):
+                p.data = stacked[i]
             stacks[short + name[1]] = stacked
     latent, inner = experts[0].w1.in_features, experts[0].w1.out_features
-    lop3_ok = all(bool(stacks[name].max() <= LOP3_MAX_SCALE_CODE) for name in ("s1", "s3", "s2"))  # one sync
-    stack = Stack(stacks["w1"], stacks["s1"], stacks["w3"], stacks["s3"], stacks["w2"], stacks["s2"], latent, inner,
-                  _stack_key(moe), lop3_ok)
-    moe._mxfp4_stack = stack
-    return stack
+    lop3_ok = scales_fit_lop3(stacks["s1"], stacks["s3"], stacks["s2"])
+    return Stack(stacks["w1"], stacks["s1"], stacks["w3"], stacks["s3"], stacks["w2"], stacks["s2"], latent, inner,
+                 key, lop3_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -445,13 +435,10 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
 
 def routed_experts(moe, z, ids, weights):
     """The routed-expert terms of a `KimiK3LatentMoE`, fp32 [N, k, L] (weighted; the block sums them) through the
-    Triton kernels, for a block whose `experts` fast path is on; None where these experts cannot take it (not on
-    z's device, e.g. offloaded, or sizes not multiples of 32): the block then runs its reference."""
+    Triton kernels, for a block whose `experts` fast path is on; None where these experts cannot take it (not
+    stacked on z's device, e.g. offloaded, or sizes not multiples of 32): the block then runs its reference."""
+    stack = moe.stack_on(z.device)
+    if stack is None or stack.latent % 32 or stack.inner % 32:
+        return None
     expert = moe.experts[0]
-    latent, inner = expert.w1.in_features, expert.w1.out_features
-    if latent % 32 or inner % 32 or expert.w1.weight_packed.device != z.device:
-        return None
-    stack = stack_experts(moe)
-    if stack is None:
-        return None
     return run_experts(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta, per_pair=True)

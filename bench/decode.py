@@ -78,7 +78,7 @@ def build(config, layers, seed=0, device="cuda"):
             if moe is None:
                 continue
             moe.gate.weight.normal_(0.0, 0.02)
-            stack = mxfp4_triton.stack_experts(moe)  # the per-expert packs become views of these stacks
+            stack = moe.stack_experts()  # the per-expert packs become views of these stacks
             for packed in (stack.w1, stack.w3, stack.w2):
                 packed.random_(0, 256)
             for scale in (stack.s1, stack.s3, stack.s2):

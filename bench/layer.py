@@ -136,7 +136,7 @@ def build_layer(text, index, seed):
         moe.gate.e_score_correction_bias.zero_()
         for proj in (layer.self_attention_res_proj, layer.mlp_res_proj):
             proj.weight.normal_(0.0, 0.02)
-        stack = mxfp4_triton.stack_experts(moe)  # the per-expert packs become views of these stacks
+        stack = moe.stack_experts()  # the per-expert packs become views of these stacks
         for packed in (stack.w1, stack.w3, stack.w2):
             packed.random_(0, 256)
         for scale in (stack.s1, stack.s3, stack.s2):
@@ -346,7 +346,7 @@ def bench_expert_gemms(text, layer, tokens, ceil, reps, seed, configs=None):
     with torch.no_grad():
         ids, weights = moe.gate(x)
         z = moe.routed_expert_down_proj(x)
-    stack = mxfp4_triton.stack_experts(moe)
+    stack = moe.stack_experts()
     e = moe.experts[0]
     flops = 6 * ids.numel() * e.w1.in_features * e.w1.out_features
     out = {"tokens": tokens, "pairs": ids.numel(), "flops": flops}
@@ -378,7 +378,7 @@ def sweep_decode(text, layer, batch, ceil, reps, seed, configs):
     with torch.no_grad():
         ids, weights = moe.gate(x)
         z = moe.routed_expert_down_proj(x)
-    stack = mxfp4_triton.stack_experts(moe)
+    stack = moe.stack_experts()
     unique = int(ids.unique().numel())
     floor_ms = unique * expert_bytes(layer) / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3
     out = {"batch": batch, "unique_experts": unique, "floor_ms": floor_ms}

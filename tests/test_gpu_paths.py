@@ -26,6 +26,8 @@ from modeling_kimi_k3 import (  # noqa: E402
     use_fast_paths)
 from reap_tools.tiny import random_model, tiny_config  # noqa: E402
 
+RUN_EXPERTS = mxfp4_triton.run_experts
+
 DEVICE = "cuda"
 BF16_TOL = 2e-2  # relative Frobenius error allowed between bf16 paths that round differently
 
@@ -56,7 +58,7 @@ def fill_packs(moe, low=114, high=124, seed=0):
                                                      dtype=torch.uint8))
 
 
-def moe_block(latent=256, inner=128, experts=16, top_k=4, hidden=192, seed=0):
+def moe_block(latent=256, inner=128, experts=16, top_k=4, hidden=192, seed=0, scale_codes=(114, 124)):
     torch.manual_seed(seed)
     config = tiny_config(packed=True, hidden_size=hidden, routed_expert_hidden_size=latent,
                          moe_intermediate_size=inner, num_experts=experts, num_experts_per_token=top_k).text_config
@@ -64,19 +66,24 @@ def moe_block(latent=256, inner=128, experts=16, top_k=4, hidden=192, seed=0):
     with torch.no_grad():
         moe.gate.weight.normal_(0.0, 0.05)  # allocated uninitialised; the other float weights keep torch's init
         moe.gate.e_score_correction_bias.normal_(0.0, 0.05)
-    fill_packs(moe, seed=seed)
-    return moe.to(DEVICE, torch.bfloat16)
+    fill_packs(moe, *scale_codes, seed=seed)
+    moe = moe.to(DEVICE, torch.bfloat16)
+    moe.stack_experts()  # a block made on its own: stacked by hand, as post_init / from_pretrained do for a model
+    return moe
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 300])
-def test_mxfp4_moe_block_matches_reference(tokens):
+def test_mxfp4_moe_block_matches_reference(tokens, monkeypatch):
     moe = moe_block()
     x = torch.randn(tokens, 192, device=DEVICE, dtype=torch.bfloat16)
+    runs = []
+    monkeypatch.setattr(mxfp4_triton, "run_experts", lambda *a, **k: runs.append(1) or RUN_EXPERTS(*a, **k))
     with torch.no_grad():
         with use_fast_paths(moe, experts="off"):
             ref = moe(x)
+        assert not runs
         out = moe(x)
-    assert getattr(moe, "_mxfp4_stack", None) is not None, "the Triton path did not run"
+    assert runs, "the Triton path did not run"
     assert rel(out, ref) < BF16_TOL
 
 
@@ -145,7 +152,7 @@ def test_mxfp4_kernel_variants(upcast, atomic, config):
     moe = moe_block(seed=1)
     z, ids, weights, ref = routed_case(moe, 200 if config == "prefill" else 5)
     with torch.no_grad():
-        stack = mxfp4_triton.stack_experts(moe)
+        stack = moe.stack_experts()
         cfg = {"wide": WIDE_CONFIG, "narrow": NARROW_CONFIG}.get(config) or mxfp4_triton.CONFIGS[config]
         out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, config=cfg, upcast=upcast, atomic=atomic)
     err = rel(out, ref)
@@ -158,11 +165,10 @@ def test_mxfp4_kernel_variants(upcast, atomic, config):
 def test_mxfp4_lop3_kernels_over_the_scale_codes(low, high):
     """Scale codes from 0 up to the largest the lop3 kernels fold into one bf16 factor give the reference; a layer
     with any larger code is flagged at stacking and runs dot_scaled instead, still matching."""
-    moe = moe_block(seed=3)
-    fill_packs(moe, low, high, seed=3)
+    moe = moe_block(seed=3, scale_codes=(low, high))
     z, ids, weights, ref = routed_case(moe, 3)
     with torch.no_grad():
-        stack = mxfp4_triton.stack_experts(moe)
+        stack = moe.stack_experts()
         out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, upcast="lop3")
     assert stack.lop3_ok == (high - 1 <= mxfp4_triton.LOP3_MAX_SCALE_CODE)
     assert rel(out, ref) < BF16_TOL
@@ -171,9 +177,9 @@ def test_mxfp4_lop3_kernels_over_the_scale_codes(low, high):
 def test_expert_stack_shares_storage_and_keeps_values():
     moe = moe_block(seed=2)
     before = {k: v.clone() for k, v in moe.state_dict().items()}
-    stack = mxfp4_triton.stack_experts(moe)
+    stack = moe.stack_experts()
     assert moe.experts[3].w2.weight_packed.data_ptr() == stack.w2[3].data_ptr()
-    assert mxfp4_triton.stack_experts(moe) is stack
+    assert moe.stack_experts() is stack
     for k, v in moe.state_dict().items():
         assert torch.equal(v, before[k]), k
 

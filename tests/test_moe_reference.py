@@ -89,7 +89,7 @@ def test_packs_are_read_from_shared_stacks_and_still_save(tmp_path):
     with torch.no_grad():
         model(torch.tensor([[5, 9, 200, 31]]))
     layer = model.language_model.model.layers[1].block_sparse_moe
-    stack = layer._mxfp4_stack
+    stack = layer.expert_stack
     assert layer.experts[3].w2.weight_packed.data_ptr() == stack.w2[3].data_ptr()
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path).state_dict()

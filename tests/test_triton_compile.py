@@ -131,10 +131,10 @@ def record_moe(text):
         for lop3 in (True, False):
             scale = moe.experts[0].w1.weight_scale
             scale[0, 0] = 127 if lop3 else 200  # a scale code above LOP3_MAX_SCALE_CODE sends a layer to dot_scaled
-            moe._mxfp4_stack = None
+            moe.expert_stack = None
+            assert moe.stack_experts().lop3_ok is lop3
             pairs = mxfp4_triton.routed_experts(moe, z, ids, weights)
             assert pairs is not None and pairs.dtype == torch.float32
-            assert mxfp4_triton.stack_experts(moe).lop3_ok is lop3
         moe.normed_sum(torch.randn(tokens, text.num_experts_per_token, text.routed_expert_hidden_size), z.dtype,
                        fused=True)
 

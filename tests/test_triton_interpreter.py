@@ -42,9 +42,9 @@ MXFP4_SCRIPT = textwrap.dedent(
                 g, u = w1 @ z[t].double(), w3 @ z[t].double()
                 act = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
                 ref[t] += (w2 @ act) * float(weights[t, s])
-        stack = mt.stack_experts(moe)
+        stack = moe.stack_experts()
         assert moe.experts[1].w1.weight_packed.data_ptr() == stack.w1[1].data_ptr()
-        assert mt.stack_experts(moe) is stack
+        assert moe.stack_experts() is stack
         for name, conf in mt.CONFIGS.items():
             for atomic in (False, True):
                 # float32 intermediates: the interpreter rounds to bf16 by truncation, so check exactness instead
