@@ -12,6 +12,7 @@ resolved `FastPaths` say so.
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -145,6 +146,31 @@ def use_fast_paths(module, **choices):
         for d, overrides in saved:
             d.overrides = overrides
             d.refresh()
+
+
+def on_input_device(kernel):
+    """`kernel` (a fast-path entry point) run under the CUDA device of its first tensor argument.
+
+    Triton and fla kernels launch on the *current* CUDA device, not their tensors' one; with a model spread over
+    GPUs by `device_map`, accelerate's hooks move a layer's inputs to its GPU but leave the current device at cuda:0,
+    so an unguarded launch would read another GPU's memory. This is the one guard: every entry point below is
+    wrapped once, here, where the model imports it."""
+
+    @functools.wraps(kernel)
+    def launch(*args, **kwargs):
+        device = next((t.device for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))
+                       if isinstance(t, torch.Tensor)), None)
+        if device is None or device.type != "cuda":
+            return kernel(*args, **kwargs)
+        with torch.cuda.device(device):
+            return kernel(*args, **kwargs)
+
+    return launch
+
+
+fused_attn_res_mix, fused_short_conv, fused_pair_sum_norm, fused_router_topk, kda_forward, triton_routed_experts = map(
+    on_input_device,
+    (fused_attn_res_mix, fused_short_conv, fused_pair_sum_norm, fused_router_topk, kda_forward, triton_routed_experts))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -104,8 +104,8 @@ def stack_experts(experts, key=None):
             if any(p.device != device for p in params):
                 return None
             stacked = torch.stack([p.data for p in params]).contiguous()
-            for i, p in enumerate(params):
-                p.data = stacked[i]
+            for e, view in zip(experts, stacked.unbind(0)):
+                setattr(getattr(e, name), attr, torch.nn.Parameter(view, requires_grad=False))
             stacks[short + name[1]] = stacked
     latent, inner = experts[0].w1.in_features, experts[0].w1.out_features
     lop3_ok = scales_fit_lop3(stacks["s1"], stacks["s3"], stacks["s2"])
