@@ -977,10 +977,6 @@ def _check_mask(attention_mask, expected):
         raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = {expected}")
 
 
-def _capturing():
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class KimiK3StaticCacheLayer(KimiK3CacheLayer):
     """A layer's state in buffers that keep their addresses: the first call allocates them, later calls, beam
     reordering and `reset` write into them."""
@@ -1028,8 +1024,9 @@ class KimiK3StaticCache(KimiK3Cache):
     step reads and writes the same addresses every time and can be replayed as a CUDA graph.
 
     The attention mask and the position counter live in device buffers too. With `cuda_graph=True` and the
-    `cuda_graphs` fast path on, `KimiK3ForCausalLM` replays each one-token step from a CUDA graph
-    (`KimiK3DecodeGraph`). Pass it to `generate(..., cache=cache)`; `reset()` readies it, graph and all, for the
+    `cuda_graphs` fast path on, `KimiK3ForCausalLM` replays each one-token step from CUDA graphs, one per run of
+    layers on one GPU (`KimiK3DecodeGraph`). Each layer's buffers are allocated on that layer's device by its first
+    call. Pass it to `generate(..., cache=cache)`; `reset()` readies it, graph and all, for the
     next prompt (as transformers' StaticCache.reset).
     """
 
@@ -1039,6 +1036,19 @@ class KimiK3StaticCache(KimiK3Cache):
         self.mask = None  # [B, max_length] bool: 1 = a real token
         self.position = None  # long scalar: tokens cached before the current call
         self.decode_graph = None  # a KimiK3DecodeGraph, made by the model's first one-token step with graphs on
+
+    @staticmethod
+    def layer_bytes(config, batch_size, max_length, dtype=torch.bfloat16):
+        """Bytes each decoder layer's share takes, for planning a `device_map` (the cache of a layer lives on that
+        layer's device): a KDA layer's q/k/v conv histories (activation dtype) and fp32 recurrent state, whatever
+        the length; an MLA layer's latents for `max_length` tokens."""
+        config = getattr(config, "text_config", config)
+        lac, item = config.linear_attn_config, torch.finfo(dtype).bits // 8
+        width = lac["num_heads"] * lac["head_dim"]
+        kda = batch_size * (3 * width * (lac["short_conv_kernel_size"] - 1) * item
+                            + lac["num_heads"] * lac["head_dim"] ** 2 * 4)
+        mla = batch_size * max_length * (config.kv_lora_rank + config.qk_rope_head_dim) * item
+        return [kda if kind == "kda" else mla for kind in config.layer_types]
 
     def delta_layer(self):
         return KimiK3StaticDeltaCacheLayer(self.rows, self.max_length)
@@ -1063,8 +1073,7 @@ class KimiK3StaticCache(KimiK3Cache):
         if self.mask is None:
             self.mask = torch.ones(self.rows, self.max_length, dtype=torch.bool, device=device)
             self.position = torch.zeros((), dtype=torch.long, device=device)
-        if not _capturing():  # a graph replay finds them written by `KimiK3DecodeGraph`
-            self._write_inputs(attention_mask, end)
+        self._write_inputs(attention_mask, end)
         return self.mask, self.position + torch.arange(length, device=device)
 
     def _write_inputs(self, attention_mask, end):
@@ -1081,46 +1090,123 @@ class KimiK3StaticCache(KimiK3Cache):
             self.mask.copy_(self.mask.index_select(0, beam_idx.to(self.mask.device)))
 
 
+def execution_device(module):
+    """Where `module` computes: accelerate's hook's device where it has one (its weights may be offloaded), else that
+    of its first parameter."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return next(module.parameters()).device
+
+
+@dataclasses.dataclass
+class DecodeSegment:
+    """Consecutive decode stages on one device: captured as one CUDA graph (`graph`, replayed on copies of its inputs
+    into `inputs`, its results in `outputs`), or run eagerly where `why_eager` says why not."""
+
+    device: torch.device
+    stages: list
+    why_eager: str = None
+    inputs: tuple = None
+    mask: torch.Tensor = None
+    positions: torch.Tensor = None
+    graph: torch.cuda.CUDAGraph = None
+    outputs: tuple = None
+
+    def run(self, state, mask, positions, cache):
+        for stage in self.stages:
+            state = stage(state, mask, positions, cache)
+        return state
+
+
 class KimiK3DecodeGraph:
-    """One-token decode steps on a `KimiK3StaticCache` replayed from one CUDA graph, for `KimiK3ForCausalLM`: the
-    first step runs eagerly (it warms up kernels and libraries), the second is captured, the rest are replays. Where
-    the step cannot be captured it warns once and runs eagerly. It lives on its cache (`cache.decode_graph`), so a
-    `reset()` cache reuses the captured graph."""
+    """One-token decode steps of a `KimiK3ForCausalLM` on a `KimiK3StaticCache`, replayed from CUDA graphs.
 
-    def __init__(self):
-        self.graph = self.ids = self.logits = None
-        self.warm = self.failed = False
+    The step is cut into stages (the embedding, each decoder layer, the output depth mix + norm, the head);
+    consecutive stages on one CUDA device form a segment, one graph, so a model on one GPU is one graph and a model
+    spread over GPUs by `device_map` one graph per contiguous run of layers on each, replayed in order with the hops
+    (copies of a segment's results onto the next device) between them. Segments on the CPU, with weights offloaded
+    by accelerate (its hooks load them at each call: not capturable) or with the `cuda_graphs` path off on their
+    device run eagerly, logged once. The first step runs eagerly (it warms up kernels and libraries and gives each
+    segment's input shapes), the second captures, the rest replay; a segment that cannot be captured warns once and
+    runs eagerly. It lives on its cache (`cache.decode_graph`), so a `reset()` cache reuses the captured graphs.
+    """
 
-    def __call__(self, cache, step, input_ids, attention_mask):
-        """`step(input_ids, attention_mask) -> logits` for one new token per row."""
-        if self.failed or cache.seen_tokens == 0:
-            return step(input_ids, attention_mask)
-        if self.graph is None:
-            if not self.warm:
-                self.warm = True
-                return step(input_ids, attention_mask)
-            self._capture(cache, step, input_ids, attention_mask)
-            if self.graph is None:
-                return step(input_ids, attention_mask)
-        cache.prepare(attention_mask, input_ids.shape[0], 1, input_ids.device)
-        self.ids.copy_(input_ids)
-        self.graph.replay()
+    def __init__(self, model):
+        self.model = model
+        self.segments = []
+        for device, stage, offloaded in model.decode_stages():
+            if not self.segments or self.segments[-1].device != device:
+                self.segments.append(DecodeSegment(device, []))
+            segment = self.segments[-1]
+            segment.stages.append(stage)
+            if device.type != "cuda":
+                segment.why_eager = "not on a CUDA device"
+            elif offloaded:
+                segment.why_eager = "weights offloaded by accelerate (loaded at each call)"
+            elif not model.language_model.model.dispatch.at(device).cuda_graphs:
+                segment.why_eager = "the cuda_graphs fast path is off there"
+        self.steps = 0
+        eager = [f"{s.device} ({s.why_eager})" for s in self.segments if s.why_eager]
+        if eager and self.enabled:
+            logger.info(f"Kimi K3 decode graphs: {len(self.segments)} segments, run eagerly on {'; '.join(eager)}")
+
+    @property
+    def enabled(self):
+        """Whether any segment is (to be) captured with the `cuda_graphs` path on on its device now."""
+        dispatch = self.model.language_model.model.dispatch
+        return any(s.why_eager is None and dispatch.at(s.device).cuda_graphs for s in self.segments)
+
+    @property
+    def captured(self):
+        """Whether any segment runs from a captured graph."""
+        return any(s.graph is not None for s in self.segments)
+
+    def __call__(self, cache, input_ids, attention_mask):
+        """Logits [B, 1, vocab] of one new token per row."""
+        self.model.language_model.model.dispatch.refresh()
+        if cache.seen_tokens == 0:
+            raise ValueError("KimiK3DecodeGraph runs decode steps: prefill the cache first")
+        mask, positions = cache.prepare(attention_mask, input_ids.shape[0], 1, input_ids.device)
+        if self.steps == 1:
+            self._capture(cache)
+        state = (input_ids,)
+        for segment in self.segments:
+            state = tuple(t.to(segment.device) for t in state)  # the hop onto this segment's device
+            if segment.graph is None:
+                if self.steps == 0 and segment.why_eager is None:
+                    segment.inputs = tuple(t.clone() for t in state)  # the shapes (and values) to capture on
+                state = segment.run(state, mask.to(segment.device), positions.to(segment.device), cache)
+                continue
+            for buffer, value in zip(segment.inputs + (segment.mask, segment.positions), state + (mask, positions)):
+                buffer.copy_(value)
+            with torch.cuda.device(segment.device):
+                segment.graph.replay()
+            state = segment.outputs
+        self.steps += 1
         cache.seen_tokens += 1
-        return self.logits.clone()
+        return state[0].clone() if self.segments[-1].graph is not None else state[0]
 
-    def _capture(self, cache, step, input_ids, attention_mask):
-        seen, ids = cache.seen_tokens, input_ids.clone()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                logits = step(ids, attention_mask)
-        except RuntimeError as err:  # e.g. a host sync in a path without a CUDA kernel (reference experts)
-            logger.warning(f"Kimi K3: decode step not capturable as a CUDA graph, running it eagerly ({err})")
-            self.failed = True
-        else:
-            self.graph, self.ids, self.logits = graph, ids, logits
-        finally:
-            cache.seen_tokens = seen  # capturing ran the Python side of one step without running it on the GPU
+    def _capture(self, cache):
+        seen = cache.seen_tokens
+        for segment in self.segments:
+            if segment.why_eager:
+                continue
+            segment.mask = cache.mask.to(segment.device, copy=True)
+            segment.positions = torch.zeros(1, dtype=torch.long, device=segment.device)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.device(segment.device), torch.cuda.graph(graph):
+                    outputs = segment.run(segment.inputs, segment.mask, segment.positions, cache)
+            except RuntimeError as err:  # e.g. a host sync in a path without a CUDA kernel (reference experts)
+                logger.warning(f"Kimi K3: decode segment on {segment.device} not capturable as a CUDA graph, running "
+                               f"it eagerly ({err})")
+                segment.why_eager = "capture failed"
+            else:
+                segment.graph, segment.outputs = graph, outputs
+            finally:
+                cache.seen_tokens = seen  # capturing ran the Python side of the stages without running them
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1162,12 +1248,16 @@ class KimiK3TextModel(nn.Module):
         bank, partial = (), inputs_embeds
         for layer in self.layers:
             bank, partial = layer(bank, partial, attention_mask, cache, positions)
-        sources = [s.to(partial.device) for s in bank] + [partial]
-        hidden = attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj, self.norm,
-                              self.dispatch.at(partial.device).fused)
+        hidden = self.output_mix(bank, partial)
         if cache is not None:
             cache.seen_tokens += inputs_embeds.shape[1]
         return hidden, cache
+
+    def output_mix(self, bank, partial):
+        """The last depth mix over every block and the final norm: the decoder's output hidden states."""
+        sources = [s.to(partial.device) for s in bank] + [partial]
+        return attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj, self.norm,
+                            self.dispatch.at(partial.device).fused)
 
 
 class KimiK3LanguageModel(nn.Module):
@@ -1411,11 +1501,38 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
 
     def make_static_cache(self, batch_size, max_length, cuda_graph=True):
         """A `KimiK3StaticCache` for `generate(..., cache=cache)`: preallocated for `max_length` tokens (prompt +
-        new) of `batch_size` rows; on one CUDA device each one-token step is then a CUDA-graph replay."""
+        new) of `batch_size` rows; each one-token step is then replayed from CUDA graphs (one per GPU the model
+        spans, where the `cuda_graphs` path is on)."""
         return KimiK3StaticCache(self.config, batch_size, max_length, cuda_graph)
 
     def set_output_embeddings(self, value):
         self.language_model.lm_head = value
+
+    def decode_stages(self):
+        """A one-token decode step as [(device, stage, offloaded)] for `KimiK3DecodeGraph`: each stage maps a tuple
+        of tensors (the token ids; then the block bank and the partial sum; the hidden states; the logits) to the
+        next, given the mask over every key, the new token's position (both on the stage's device) and the cache."""
+        text, head = self.language_model.model, self.language_model.lm_head
+
+        def embed(state, mask, positions, cache):
+            return (text.embed_tokens(state[0]),)
+
+        def layer_stage(layer):
+            def stage(state, mask, positions, cache):
+                bank, partial = layer(state[:-1], state[-1], mask, cache, positions)
+                return (*bank, partial)
+            return stage
+
+        def output(state, mask, positions, cache):
+            return (text.output_mix(state[:-1], state[-1]),)
+
+        def logits(state, mask, positions, cache):
+            return (head(state[0]),)
+
+        modules = [(text.embed_tokens, embed), *((layer, layer_stage(layer)) for layer in text.layers),
+                   (text.norm, output), (head, logits)]
+        return [(execution_device(m), stage, any(p.device.type == "meta" for p in m.parameters()))
+                for m, stage in modules]
 
     def forward(self, input_ids=None, attention_mask=None, cache=None, inputs_embeds=None, labels=None,
                 use_cache=None, logits_to_keep=0, return_dict=True, past_key_values=None, **kwargs):
@@ -1427,10 +1544,14 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             hidden, cache = self.language_model.model(ids, inputs_embeds, mask, cache, bool(use_cache))
             return self.language_model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
+        graphs = None
         if (isinstance(cache, KimiK3StaticCache) and cache.cuda_graph and input_ids is not None
-                and input_ids.shape[1] == 1 and self.language_model.model.dispatch.at(input_ids.device).cuda_graphs):
-            cache.decode_graph = cache.decode_graph or KimiK3DecodeGraph()
-            logits = cache.decode_graph(cache, step, input_ids, attention_mask)  # a CUDA-graph replay once warm
+                and input_ids.shape[1] == 1 and cache.seen_tokens > 0):
+            if cache.decode_graph is None or cache.decode_graph.model is not self:
+                cache.decode_graph = KimiK3DecodeGraph(self)
+            graphs = cache.decode_graph if cache.decode_graph.enabled else None
+        if graphs is not None:
+            logits = graphs(cache, input_ids, attention_mask)  # CUDA-graph replays once warm
         else:
             logits = step(input_ids, attention_mask)
         loss = None

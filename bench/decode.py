@@ -230,7 +230,7 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
             prefill_s = time.time() - t0
             warm = 3 if graph else 1  # graph: eager warm-up step, capture step, then replays
             time_steps(model, cache, warm, batch, vocab, gen)
-            if graph and (cache.decode_graph is None or cache.decode_graph.graph is None):
+            if graph and (cache.decode_graph is None or not cache.decode_graph.captured):
                 entry[name] = {"error": "the step was not captured (see the warning above)"}
                 continue
             times = time_steps(model, cache, args.steps, batch, vocab, gen)

@@ -370,7 +370,7 @@ def test_static_cache_graph_decode_matches_eager(fla):
             cache = KimiK3StaticCache(model.config, batch_size=2, max_length=48, cuda_graph=graph)
             runs[graph] = model.generate(prompt, attention_mask=mask, max_new_tokens=32, do_sample=False,
                                          cache=cache)
-            captured = cache.decode_graph is not None and cache.decode_graph.graph is not None
+            captured = cache.decode_graph is not None and cache.decode_graph.captured
             assert captured == graph
     agree, mean_gap, max_gap = teacher_forced(model, prompt[:1], runs[True][:1])  # the unpadded row
     print(f"static-cache graph decode (fla KDA {fla}): identical to eager static: {torch.equal(runs[True], runs[False])}; "
@@ -447,7 +447,7 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
         finally:
             code.triton_routed_experts, code.kda_forward, code.fused_attn_res_mix = originals[:3]
             code.SideBranch.__enter__ = originals[3]
-        taken["cuda_graphs"] = int(cache.decode_graph is not None and cache.decode_graph.graph is not None)
+        taken["cuda_graphs"] = int(cache.decode_graph is not None and cache.decode_graph.captured)
         return str(model.language_model.model.dispatch.at(torch.device(DEVICE, torch.cuda.current_device()))), taken
 
     resolved, taken = run({})

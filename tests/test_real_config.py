@@ -1,14 +1,13 @@
-"""The real 320-expert config on the meta device: sizes from SPEC and an 8-GPU placement (issue point 5), plus
+"""The real 320-expert config on the meta device: sizes from SPEC and 8-GPU placements with the cache of a 131k context, plus
 configuration errors."""
 
 import os
 
 import pytest
 import torch
-from accelerate import infer_auto_device_map
 
 from configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
-from modeling_kimi_k3 import KimiK3ForCausalLM
+from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3StaticCache
 from reap_tools.tiny import tiny_text_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,20 +51,42 @@ def test_parameter_and_mxfp4_byte_counts(meta_model):
     assert abs(logical / 1e12 - 1.03) < 0.01
 
 
-def test_eight_gpu_placement_keeps_layers_whole(meta_model):
-    device_map = infer_auto_device_map(
-        meta_model,
-        max_memory={i: "94GiB" for i in range(8)},
-        no_split_module_classes=meta_model._no_split_modules,
-    )
+def planned_device_map(model, max_memory):
+    """The placement `from_pretrained(..., device_map="auto", max_memory=...)` computes: transformers' own planner
+    (balanced over the GPUs), whose home moved in 5.x."""
+    try:
+        from transformers.integrations.accelerate import _get_device_map
+
+        return _get_device_map(model, "auto", max_memory, None)
+    except ImportError:
+        from transformers.modeling_utils import _get_device_map
+
+        return _get_device_map(model, "auto", max_memory, None, torch.bfloat16, None)
+
+
+@pytest.mark.parametrize("gib", [94, 141])
+def test_eight_gpu_placement_keeps_layers_whole_and_fits_131k_cache(meta_model, gib):
+    """8 x 94 GiB (H100 NVL) and 8 x 141 GiB (H200): every decoder layer whole on one GPU, nothing on the CPU or
+    disk, and beside each GPU's weights the static cache of its layers for 131,072 tokens of context (batch 1)."""
+    device_map = planned_device_map(meta_model, {i: f"{gib}GiB" for i in range(8)})
     assert set(device_map.values()) <= set(range(8)), set(device_map.values())
-    gpus_used = sorted(set(device_map.values()))
-    print(f"\nplacement uses GPUs {gpus_used}")
+    owner_of = {}
     for i in range(93):
         name = f"language_model.model.layers.{i}"
         owner = [k for k in device_map if name == k or name.startswith(k + ".")]
         assert len(owner) == 1, f"layer {i} has no single owner in the device map: {owner}"
         assert not any(k.startswith(name + ".") for k in device_map), f"layer {i} was split across entries"
+        owner_of[i] = device_map[owner[0]]
+    used = {d: 0 for d in range(8)}
+    for name, p in meta_model.named_parameters():
+        key = max((k for k in device_map if name == k or name.startswith(k + ".")), key=len)
+        used[device_map[key]] += p.numel() * p.element_size()
+    cache = KimiK3StaticCache.layer_bytes(meta_model.config, 1, 131072)
+    for i, nbytes in enumerate(cache):
+        used[owner_of[i]] += nbytes
+    print(f"\n8 x {gib} GiB: GiB per GPU with the 131k cache " + " ".join(f"{b / 2**30:.1f}" for b in used.values()))
+    assert max(used.values()) <= gib * 2**30
+    assert sum(cache) == 69 * 96 * (3 * 128 * 3 * 2 + 128 * 128 * 4) + 24 * 131072 * 576 * 2
 
 
 @pytest.mark.parametrize(
