@@ -285,7 +285,8 @@ def attn_res_mix(sources, norm, proj, out_norm, fused=False):
     if len(sources) == 1:
         return out_norm(sources[0])
     stacked = torch.stack(sources)  # [n, B, T, H]
-    if fused:
+    # accelerate's offload hooks load a module's weights only for its own forward, which the kernel bypasses
+    if fused and all(m.weight.device == stacked.device for m in (norm, proj, out_norm)):
         return fused_attn_res_mix(stacked, norm.weight, proj.weight[0], norm.variance_epsilon, out_norm.weight,
                                   out_norm.variance_epsilon)
     stacked = stacked.float()
@@ -723,7 +724,8 @@ class KimiK3LatentMoE(nn.Module):
         """`routed_expert_norm` of the per-(token, slot) outputs [N, k, L] (fp32, weighted) summed over k and rounded
         to `dtype`: with `fused` one kernel (`fused_triton.pair_sum_norm`), else the torch ops."""
         norm = self.routed_expert_norm
-        if fused and isinstance(norm, (KimiK3RMSNorm, nn.Identity)):
+        on_device = getattr(norm, "weight", pairs).device == pairs.device  # not offloaded (see attn_res_mix)
+        if fused and on_device and isinstance(norm, (KimiK3RMSNorm, nn.Identity)):
             weight, eps = (norm.weight, norm.variance_epsilon) if isinstance(norm, KimiK3RMSNorm) else (None, 0.0)
             out = fused_pair_sum_norm(pairs, weight, eps, dtype)
             if out is not None:
@@ -1137,16 +1139,17 @@ class KimiK3DecodeGraph:
         self.model = model
         self.segments = []
         for device, stage, offloaded in model.decode_stages():
-            if not self.segments or self.segments[-1].device != device:
-                self.segments.append(DecodeSegment(device, []))
-            segment = self.segments[-1]
-            segment.stages.append(stage)
             if device.type != "cuda":
-                segment.why_eager = "not on a CUDA device"
+                why = "not on a CUDA device"
             elif offloaded:
-                segment.why_eager = "weights offloaded by accelerate (loaded at each call)"
+                why = "weights offloaded by accelerate (loaded at each call)"
             elif not model.language_model.model.dispatch.at(device).cuda_graphs:
-                segment.why_eager = "the cuda_graphs fast path is off there"
+                why = "the cuda_graphs fast path is off there"
+            else:
+                why = None
+            if not self.segments or (self.segments[-1].device, self.segments[-1].why_eager) != (device, why):
+                self.segments.append(DecodeSegment(device, [], why))
+            self.segments[-1].stages.append(stage)
         self.steps = 0
         eager = [f"{s.device} ({s.why_eager})" for s in self.segments if s.why_eager]
         if eager and self.enabled:

@@ -4,7 +4,8 @@ Loads the demo parent (`demo/parent`, bf16) three ways through `from_pretrained(
 hooks move the activations between devices):
   * single: everything on cuda:0 (one decode graph);
   * split_layers: the embedding, the first half of the layers and the output norm + head on cuda:0, the other half
-    of the layers on the CPU (graphs on cuda:0 before and after the CPU run of layers, the hops between them);
+    of the layers on "cpu", which in a `device_map` with a GPU means, as accelerate places it, weights held on the
+    CPU and loaded onto cuda:0 by its hooks for each call (graphs before and after that eager run of layers);
   * offload_embed_head: the embedding and the LM head on the CPU, every layer on cuda:0 (one graph in between);
 prefills a coding prompt through a static cache and times each greedy one-token step (CUDA synchronised), after
 the warm-up and capture steps. Writes
