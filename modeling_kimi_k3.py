@@ -35,6 +35,7 @@ try:
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
     from .mxfp4_triton import supported as experts_kernel_supported
+    from .tensor_parallel import load_tensor_parallel
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config, check_fast_paths
     from fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
@@ -44,6 +45,7 @@ except ImportError:  # imported from the repository root rather than as transfor
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
     from mxfp4_triton import supported as experts_kernel_supported
+    from tensor_parallel import load_tensor_parallel
 
 # Under transformers' own logger, so that its verbosity settings (`transformers.logging.set_verbosity_info()`) reach
 # this remote code too, whose module lives outside the library (`transformers_modules.<repo>...`).
@@ -664,6 +666,7 @@ class KimiK3LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
         self.shared_experts = KimiK3MLP(config, config.num_shared_experts * config.moe_intermediate_size)
         self.expert_stack = None  # the MXFP4 experts' packs stacked [E, ...]; see stack_experts
+        self.expert_parallel = None  # under tensor parallel, this rank's share of the experts (tensor_parallel.py)
 
     def _expert_key(self):
         first, last = self.experts[0], self.experts[-1]
@@ -711,11 +714,15 @@ class KimiK3LatentMoE(nn.Module):
             shared = self.shared_experts(flat)
         z = self.routed_expert_down_proj(flat)
         routing.join()
+        ep = self.expert_parallel  # this rank runs its experts' pairs; one all-reduce sums the latent
+        if ep is not None:
+            ids = ep.local_ids(ids)
         pairs = triton_routed_experts(self, z, ids, weights) if fast.experts else None  # None: n/a here
         if pairs is None:
-            y = self.routed_expert_norm(self.routed_experts(z, ids, weights).to(z.dtype))
+            y = self.routed_experts(z, ids, weights)
+            y = self.routed_expert_norm((y if ep is None else ep.sum(y)).to(z.dtype))
         else:
-            y = self.normed_sum(pairs, z.dtype, fast.fused)
+            y = self.normed_sum(pairs if ep is None else ep.sum_pairs(pairs, ids), z.dtype, fast.fused)
         y = self.routed_expert_up_proj(y)
         branch.join()
         return (y + shared).view(shape)
@@ -734,10 +741,12 @@ class KimiK3LatentMoE(nn.Module):
 
     def routed_experts(self, z, ids, weights):
         """Reference expert sum `sum_k w_k expert_k(z)` in fp32: (token, slot) pairs are sorted by expert so each
-        expert runs once on one contiguous slice, and the weighted outputs are scattered back in a single add."""
+        expert runs once on one contiguous slice, and the weighted outputs are scattered back in a single add. Pairs
+        with id `num_experts` (experts another rank holds, under expert parallel) sort last and are left out."""
         top_k = ids.shape[1]
         order = ids.flatten().argsort(stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts + 1).tolist()
+        order = order[: order.numel() - counts.pop()]
         token = order // top_k
         routed = z[token]
         out = self.packed_experts(routed, counts)
@@ -1346,6 +1355,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        if kwargs.get("tp_plan") is not None:  # under torchrun: this rank's shard only (tensor_parallel.py)
+            return load_tensor_parallel(cls, pretrained_model_name_or_path, *args, **kwargs)
         wants_info = kwargs.pop("output_loading_info", False)
         path = str(pretrained_model_name_or_path)
         if os.path.isdir(path):
@@ -1371,6 +1382,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         The model's state_dict on the meta device gives the expected tensors: a uint8 one (MXFP4 bytes and scales)
         must be stored as U8, an integer one as its own dtype, a float one as BF16, F16 or F32 (any dtype the model
         may be loaded in). A scale stored as BF16 or a router weight as I64 would otherwise be cast silently.
+        Returns the headers read (`read_safetensors_headers`).
         """
         found = read_safetensors_headers(directory)
         with torch.device("meta"):
@@ -1388,6 +1400,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         if vision:
             logger.warning(f"{directory}: skipping {len(vision)} vision-tower tensors (names matching "
                            f"{', '.join(cls._vision_keys)}): this model is text-only")
+        return found
 
     @classmethod
     def _raise_on_key_problems(cls, source, missing, unexpected, mismatched, wrong_dtype=()):

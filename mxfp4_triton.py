@@ -127,12 +127,13 @@ def align_blocks(ids, num_experts, block_m):
     """Sort the flat (token, slot) pairs by expert into blocks of `block_m` rows of one expert each.
 
     Returns `rows` [max_blocks * BM] int32 (flat pair index t*k + slot; `num_pairs` marks padding) and
-    `block_expert` [max_blocks] int32 (the expert of each block; `num_experts` marks a block with no work).
+    `block_expert` [max_blocks] int32 (the expert of each block; `num_experts` marks a block with no work). Pairs
+    with id `num_experts` (experts another rank holds, under expert parallel) land in such blocks: no work.
     """
     flat = ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
     device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
     block_end = blocks.cumsum(0)
@@ -142,7 +143,7 @@ def align_blocks(ids, num_experts, block_m):
     sorted_expert = flat[order]
     rank = torch.arange(pairs, device=device) - count_start[sorted_expert]
     slot = block_start[sorted_expert] * block_m + rank
-    total = max_blocks(pairs, num_experts, block_m)
+    total = max_blocks(pairs, num_experts + 1, block_m)
     rows = torch.full((total * block_m,), pairs, dtype=torch.int32, device=device)
     rows[slot] = order.to(torch.int32)
     block_expert = torch.searchsorted(block_end, torch.arange(total, device=device), right=True)
