@@ -46,7 +46,8 @@ def placements(layers):
 def greedy(model, prompt_ids, steps):
     """Greedy tokens and per-step milliseconds of `steps` one-token steps after the prompt (static cache)."""
     cache = model.make_static_cache(1, prompt_ids.shape[1] + steps + 3)
-    embed_device = model.language_model.model.embed_tokens.weight.device
+    # where the embedding computes: with its weights offloaded they sit on the meta device between calls
+    embed_device = sys.modules[type(model).__module__].execution_device(model.language_model.model.embed_tokens)
     ids = prompt_ids.to(embed_device)
     with torch.no_grad():
         logits = model(ids, cache=cache, use_cache=True).logits[:, -1:]
@@ -83,7 +84,8 @@ def main():
         tokens, times, segments, captured = greedy(model, prompt_ids, args.steps)
         reference = reference or tokens
         first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
-        run = {"name": name, "devices": sorted({str(d) for d in device_map.values()}), "segments": segments,
+        run = {"name": name, "devices": sorted({str(torch.device("cuda", d) if isinstance(d, int) else d)
+                                                   for d in device_map.values()}), "segments": segments,
                "same_tokens_as_single_device": tokens == reference, "first_difference": first,
                "ms_per_step": statistics.median(times), "captured": captured, "tokens": tokens}
         print(f"{name}: devices {run['devices']}, segments {segments}, {run['ms_per_step']:.2f} ms/step, "
