@@ -85,8 +85,9 @@ class VocabParallelEmbedding(nn.Embedding):
     """Rows `first` .. `first + num_embeddings - 1` of the token embedding; ids of other ranks' rows look up zeros,
     and one all-reduce gives every rank the whole embedding (one rank contributes each row, so the sum is exact)."""
 
-    def __init__(self, first, rows, dim, dtype, tp):
-        super().__init__(rows, dim, device="meta", dtype=dtype)
+    def __init__(self, first, rows, tp):
+        """`rows`: this rank's rows of the whole embedding's weight (on the meta device for a load)."""
+        super().__init__(*rows.shape, _weight=rows, _freeze=True)
         self.first, self.tp = first, tp
 
     def forward(self, ids):
@@ -204,9 +205,8 @@ class _Plan:
 
     def text_model(self, text, prefix):
         first, stop = self.tp.share(text.embed_tokens.num_embeddings)
-        whole = text.embed_tokens
-        text.embed_tokens = VocabParallelEmbedding(first, stop - first, whole.embedding_dim, whole.weight.dtype,
-                                                   self.tp)
+        rows = text.embed_tokens.weight.detach()[first:stop].clone()
+        text.embed_tokens = VocabParallelEmbedding(first, rows, self.tp)
         self.sources[f"{prefix}embed_tokens.weight"] = (f"{prefix}embed_tokens.weight", (slice(first, stop),))
 
     def language_model(self, language, prefix):

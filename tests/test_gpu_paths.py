@@ -87,6 +87,24 @@ def test_mxfp4_moe_block_matches_reference(tokens, monkeypatch):
     assert rel(out, ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_expert_parallel_moe_block_matches_the_whole_block(tokens, monkeypatch):
+    """Two expert-parallel ranks (tests/tp_emulation.py) with the Triton experts and the fused pair sum + norm: the
+    pairs routed to the other rank's experts (id = the rank's expert count) do no work and add nothing."""
+    from tp_emulation import two_rank_moe
+
+    moe = moe_block()
+    x = torch.randn(tokens, 192, device=DEVICE, dtype=torch.bfloat16)
+    runs = []
+    monkeypatch.setattr(mxfp4_triton, "run_experts", lambda *a, **k: runs.append(1) or RUN_EXPERTS(*a, **k))
+    with torch.no_grad():
+        whole = moe(x)
+        out, ranks = two_rank_moe(moe, x, monkeypatch)
+    assert len(runs) == 3, "the Triton path did not run on every rank"
+    assert [len(r.experts) for r in ranks] == [8, 8]
+    assert rel(out, whole) < BF16_TOL
+
+
 def test_router_bf16_gemm_matches_the_fp32_one():
     """On CUDA the router multiplies the bf16 weight with fp32 output (no fp32 copy of it a call): the same exact
     products, summed in another order, so the same experts and weights to fp32 rounding."""
@@ -462,3 +480,55 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
         # kernels is not capturable: generate warns and runs it eagerly
         still_on = [p for p in off if p != path and not (path == "experts" and p == "cuda_graphs")]
         assert off[path] == 0 and all(off[p] for p in still_on), (path, off)
+
+
+TP_SCRIPT = """
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, tp_plan="auto", dtype=torch.bfloat16)
+model.generation_config.eos_token_id = None
+with torch.no_grad():
+    cache = model.make_static_cache(1, 40)
+    tokens = model.generate(torch.tensor([[5, 17, 9, 33, 250, 7]], device="cuda"), max_new_tokens=16,
+                            do_sample=False, cache=cache)
+torch.save({"tokens": tokens.cpu(), "captured": cache.decode_graph.captured,
+            "devices": sorted({str(p.device) for p in model.parameters()})}, sys.argv[2])
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_tensor_parallel_one_rank_on_nccl_decodes_as_the_plain_load(tmp_path):
+    """`tp_plan="auto"` under torchrun on this GPU (NCCL, one rank: the sharded modules, their all-reduce hooks and
+    the expert-parallel sum all run, and the decode graphs capture the NCCL all-reduces): the greedy tokens of
+    demo/parent equal those of the plain load."""
+    import socket
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = os.path.join(root, "demo", "parent")
+    script, out = tmp_path / "tp_one_rank.py", tmp_path / "tp.pt"
+    script.write_text(TP_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                           "--master-port", str(port), str(script), parent, str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = torch.load(out)
+    model = AutoModelForCausalLM.from_pretrained(parent, trust_remote_code=True, dtype=torch.bfloat16).to(DEVICE)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        cache = model.make_static_cache(1, 40)
+        want = model.generate(torch.tensor([[5, 17, 9, 33, 250, 7]], device=DEVICE), max_new_tokens=16,
+                              do_sample=False, cache=cache)
+    print(f"tensor parallel, one NCCL rank: tokens equal {torch.equal(got['tokens'], want.cpu())}, graph captured "
+          f"{got['captured']}")
+    assert got["devices"] == ["cuda:0"]
+    assert got["captured"] and cache.decode_graph.captured
+    assert torch.equal(got["tokens"], want.cpu())

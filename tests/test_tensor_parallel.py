@@ -1,0 +1,182 @@
+"""Tensor + expert parallel loading (issue 19, CPU): `from_pretrained(DIR, trust_remote_code=True, tp_plan="auto")`
+under `torchrun --nproc-per-node 2` and `4` (gloo) gives the one-process model's logits and greedy tokens, each
+rank holding 1/N of every layer's MXFP4 experts, the router whole and the plan's shapes; the plan's slices in one
+process with a fake rank; and the errors for an indivisible config, another plan and a load outside torchrun.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from modeling_kimi_k3 import KimiK3ForCausalLM
+from reap_tools.tiny import random_model, tiny_config, write_checkpoint
+from tensor_parallel import TensorParallel, check_tp_size, shard
+from tp_worker import NEW_TOKENS, PROMPT, moe_layers, run
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
+
+# The smallest config with everything the plan splits: layer 0 dense (KDA), layer 1 MoE (KDA), layer 2 MoE (MLA),
+# two attention-residual blocks; 4 heads of each kind, 8 MXFP4 experts, intermediate 128, shared 2 x 32, vocab 512:
+# all divisible by 4.
+TEXT = dict(num_hidden_layers=3, linear_attn_config=dict(num_heads=4, head_dim=16, full_attn_layers=[3],
+                                                         kda_layers=[1, 2]))
+
+# Parameters split by output rows (dim 0) or input columns (dim 1); everything else but the routed experts is whole.
+ROWS = re.compile(r"self_attn\.((q|k|v|f_b|b|g|q_b|kv_b)_proj\.weight|[qkv]_conv1d\.weight|dt_bias)$"
+                  r"|(mlp|shared_experts)\.(gate|up)_proj\.weight$|(lm_head|embed_tokens)\.weight$")
+COLUMNS = re.compile(r"(self_attn\.o_proj|mlp\.down_proj|shared_experts\.down_proj)\.weight$")
+EXPERT = re.compile(r"(.*\.experts\.)(\d+)(\..*)")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("tp") / "tiny"), packed=True, seed=0, **TEXT)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """The one-process load of the checkpoint (fp32): the model, its logits and greedy tokens."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.float32)
+    return model, *run(model)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan_shapes(config, rank, size):
+    """Parameter shapes of rank `rank` of `size` after `shard`, on the meta device."""
+    with torch.device("meta"):
+        model = KimiK3ForCausalLM(config)
+    shard(model, TensorParallel(rank, size))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_torchrun_load_matches_one_process(checkpoint, reference, tmp_path, size):
+    model, logits, tokens = reference
+    out = tmp_path / "out.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), WORKER, checkpoint, str(out)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    result = torch.load(out)
+    # The ranks sum partial dot products (o_proj, down_proj) in another order than one matmul does: fp32 rounding,
+    # ~1e-7 of the logits' ~0.5 scale, which atol covers for logits near zero, where rtol alone bounds nothing.
+    torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-6)
+    assert torch.equal(result["tokens"], tokens) and tokens.shape == (1, len(PROMPT[0]) + NEW_TOKENS)
+    assert len(result["ranks"]) == size
+    whole = moe_layers(model)
+    assert sorted(whole) == [1, 2]
+    for rank, got in enumerate(result["ranks"]):
+        assert got["shapes"] == plan_shapes(model.config, rank, size)
+        for i, layer in whole.items():
+            per_rank = len(layer["experts"]) // size
+            assert got["moe"][i]["first"] == rank * per_rank
+            assert got["moe"][i]["experts"] == layer["experts"][rank * per_rank : (rank + 1) * per_rank]
+            assert got["moe"][i]["bytes"] * size == layer["bytes"]
+            assert got["moe"][i]["router"] == layer["router"]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_shard_in_one_process_keeps_this_ranks_slices(size):
+    model = random_model(tiny_config(packed=True, **TEXT), seed=1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    text = model.config.text_config
+    heads, experts = text.linear_attn_config["num_heads"], text.num_experts
+    assert heads == text.num_attention_heads
+    rank = size - 1  # the last rank: every slice starts past 0
+    sources = shard(model, TensorParallel(rank, size))
+    after = dict(model.named_parameters())
+    kept_experts = {name for name in before if not EXPERT.match(name) or int(EXPERT.match(name)[2]) < experts // size}
+    assert set(after) == kept_experts
+    for name, param in after.items():
+        source, index = sources.get(name, (name, ()))
+        assert torch.equal(param, before[source][index]), name
+        original = before[source]
+        if name.endswith("A_log"):  # stored padded to 128 heads: the rank's heads only
+            assert param.shape == (heads // size,)
+        elif ROWS.search(name):
+            assert param.shape == (original.shape[0] // size, *original.shape[1:]), name
+        elif COLUMNS.search(name):
+            assert param.shape == (original.shape[0], original.shape[1] // size), name
+        elif EXPERT.match(name):
+            local = EXPERT.match(name)
+            assert source == f"{local[1]}{int(local[2]) + rank * (experts // size)}{local[3]}", name
+            assert param.dtype == torch.uint8 and param.shape == original.shape
+        else:
+            assert param.shape == original.shape and name not in sources, name
+    layers = model.language_model.model.layers
+    assert [layer.self_attn.num_heads for layer in layers] == [heads // size] * 3
+    assert [len(layers[i].block_sparse_moe.experts) for i in (1, 2)] == [experts // size] * 2
+    assert layers[1].block_sparse_moe.gate.weight.shape == (experts, text.hidden_size)
+
+
+# Divisible by 3 in every field but the shared experts' width, 1 x 32 (a multiple of the MXFP4 group, so of 4 too).
+BY_THREE = dict(num_attention_heads=6, num_key_value_heads=6, intermediate_size=129, num_experts=6,
+                num_shared_experts=1, vocab_size=513,
+                linear_attn_config=dict(TEXT["linear_attn_config"], num_heads=6))
+
+
+@pytest.mark.parametrize("overrides, size, field", [
+    (dict(num_attention_heads=6, num_key_value_heads=6), 4, "num_attention_heads = 6"),
+    (dict(linear_attn_config=dict(TEXT["linear_attn_config"], num_heads=6)), 4, "linear_attn_config.num_heads = 6"),
+    (dict(intermediate_size=130), 4, "intermediate_size = 130"),
+    (BY_THREE, 3, "num_shared_experts \\* moe_intermediate_size = 32"),
+    (dict(num_experts=6), 4, "num_experts = 6"),
+    (dict(num_experts_per_layer=[0, 8, 6]), 4, r"num_experts_per_layer\[2\] = 6"),
+    (dict(vocab_size=510, pad_token_id=509), 4, "vocab_size = 510"),
+])
+def test_check_tp_size_names_the_field_it_cannot_split(overrides, size, field):
+    text = tiny_config(**{**TEXT, **overrides}).text_config
+    with pytest.raises(ValueError, match=f"^Kimi K3 tensor parallel: {size} ranks do not divide {field}$"):
+        check_tp_size(text, size)
+    check_tp_size(text, 1)
+
+
+def test_check_tp_size_accepts_what_divides_and_skips_absent_layer_kinds():
+    check_tp_size(tiny_config(**TEXT).text_config, 4)
+    only_kda = dict(TEXT, num_attention_heads=6, num_key_value_heads=6,
+                    linear_attn_config=dict(num_heads=4, head_dim=16, full_attn_layers=[], kda_layers=[1, 2, 3]))
+    check_tp_size(tiny_config(**only_kda).text_config, 4)  # no MLA layer: its head count splits nothing
+
+
+def test_another_plan_is_rejected(checkpoint):
+    with pytest.raises(ValueError, match=r"supports tp_plan='auto' only .*got 'colwise'"):
+        AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, tp_plan="colwise")
+
+
+def test_auto_plan_outside_torchrun_says_how_to_run_it(checkpoint, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"one shard per process: run under torchrun"):
+        AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, tp_plan="auto")
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_expert_parallel_moe_block_sums_to_the_whole_block(tokens, monkeypatch):
+    """Two expert-parallel ranks of one MoE block (tests/tp_emulation.py), reference path, fp32: the same output
+    as the whole block, and each pair computed on exactly one rank."""
+    from tp_emulation import two_rank_moe
+
+    model = random_model(tiny_config(packed=True, **TEXT), seed=1)
+    moe = model.language_model.model.layers[1].block_sparse_moe
+    x = torch.randn(tokens, model.config.text_config.hidden_size)
+    with torch.no_grad():
+        whole = moe(x)
+        out, ranks = two_rank_moe(moe, x, monkeypatch)
+        ids, _ = moe.gate(x)
+    local = [r.expert_parallel.local_ids(ids) for r in ranks]
+    assert ((local[0] < 4).int() + (local[1] < 4).int() == 1).all(), "a pair is on no rank or on both"
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,73 @@
+"""One rank of a tensor-parallel load, for tests/test_tensor_parallel.py: `torchrun --nproc-per-node N tp_worker.py
+CHECKPOINT OUT`.
+
+Loads CHECKPOINT with `from_pretrained(..., tp_plan="auto")` (gloo on the CPU), runs a forward and a short greedy
+`generate` on fixed ids, and rank 0 saves what the test compares with a one-process load: the logits, the tokens
+and, gathered from every rank, its parameter shapes and `moe_layers` of its shard.
+"""
+
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+PROMPT = [[5, 17, 99, 3, 250, 42, 7, 8]]
+NEW_TOKENS = 4
+
+
+def digest(tensors):
+    """sha256 of the tensors' bytes, in order."""
+    return hashlib.sha256(b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                                   for t in tensors)).hexdigest()
+
+
+def moe_layers(model):
+    """Per MoE layer: the first global id of the experts held, each expert's digest (its packs and scales), their
+    bytes, and the router's shape and digest."""
+    info = {}
+    for i, layer in enumerate(model.language_model.model.layers):
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is None:
+            continue
+        params = [[p for _, p in sorted(expert.named_parameters())] for expert in moe.experts]
+        info[i] = {
+            "first": moe.expert_parallel.first if moe.expert_parallel is not None else 0,
+            "experts": [digest(p) for p in params],
+            "bytes": sum(p.nbytes for ps in params for p in ps),
+            "router": (tuple(moe.gate.weight.shape), digest([moe.gate.weight])),
+        }
+    return info
+
+
+def run(model):
+    """The forward's logits on PROMPT and the greedy tokens after it (exactly NEW_TOKENS: the tiny model may say
+    end-of-sequence anywhere)."""
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return logits, tokens
+
+
+def main(directory, out):
+    from transformers import AutoModelForCausalLM  # after HF_MODULES_CACHE is set, which transformers reads once
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, tp_plan="auto",
+                                                 dtype=torch.float32)
+    logits, tokens = run(model)
+    ranks = [None] * dist.get_world_size()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    dist.all_gather_object(ranks, {"moe": moe_layers(model), "shapes": shapes})
+    if dist.get_rank() == 0:
+        torch.save({"logits": logits, "tokens": tokens, "ranks": ranks}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # Each rank its own remote-code module cache: ranks writing one at once could import each other's half-copied
+    # files.
+    os.environ["HF_MODULES_CACHE"] = os.path.join(sys.argv[2] + ".modules", os.environ["RANK"])
+    main(*sys.argv[1:3])
