@@ -1358,12 +1358,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         if kwargs.get("tp_plan") is not None:  # under torchrun: this rank's shard only (tensor_parallel.py)
             return load_tensor_parallel(cls, pretrained_model_name_or_path, *args, **kwargs)
         wants_info = kwargs.pop("output_loading_info", False)
-        path = str(pretrained_model_name_or_path)
-        if os.path.isdir(path):
-            config = kwargs.get("config")
-            if not isinstance(config, KimiK3Config):
-                config = KimiK3Config.from_pretrained(path)
-            cls.check_checkpoint(path, config)
+        path = cls.checkpoint_directory(str(pretrained_model_name_or_path), kwargs)
+        config = kwargs.get("config")
+        if not isinstance(config, KimiK3Config):
+            config = KimiK3Config.from_pretrained(path)
+        cls.check_checkpoint(path, config)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                               **kwargs)
         model.stack_experts()  # the loaded packs replaced the ones stacked at construction
@@ -1374,6 +1373,19 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             [str(m) for m in info.get("mismatched_keys", [])],
         )
         return (model, info) if wants_info else model
+
+    @staticmethod
+    def checkpoint_directory(path, kwargs):
+        """The local folder of checkpoint `path`: the folder itself, or the snapshot of the hub repository `path`
+        (its config and safetensors files, fetched or found in the cache as `from_pretrained` would, under the hub
+        options among its `kwargs`), so that a hub load is checked as strictly as a local one."""
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "proxies", "revision",
+                                          "token") if kwargs.get(k) is not None}
+            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"], **hub)
+        return os.path.join(path, kwargs.get("subfolder") or "")
 
     @classmethod
     def check_checkpoint(cls, directory, config):

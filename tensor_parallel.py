@@ -284,16 +284,6 @@ def _resolve_dtype(dtype, config, headers):
     return dtype
 
 
-def _local_directory(path, hub):
-    """The checkpoint folder: `path` itself, or a snapshot of the hub repository `path` (downloaded if needed)."""
-    subfolder = hub.pop("subfolder", None) or ""
-    if not os.path.isdir(path):
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(path, **hub)
-    return os.path.join(path, subfolder)
-
-
 def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, **kwargs):
     """`cls.from_pretrained(..., tp_plan="auto")`: this rank's shard of the model, on its device, in eval mode."""
     tp_plan = kwargs.pop("tp_plan")
@@ -317,7 +307,7 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, **kwar
     tp, device = init_distributed()
     if tp_size is not None and tp_size != tp.size:
         raise ValueError(f"tp_size={tp_size}, but torchrun started {tp.size} processes: run one process per rank")
-    directory = _local_directory(str(pretrained_model_name_or_path), hub)
+    directory = cls.checkpoint_directory(str(pretrained_model_name_or_path), hub)
     if not isinstance(config, cls.config_class):
         config = cls.config_class.from_pretrained(directory, **kwargs)
     check_tp_size(config.text_config, tp.size)

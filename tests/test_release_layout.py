@@ -140,6 +140,36 @@ def test_vision_tower_is_skipped_by_name_and_said_once(pair, tmp_path):
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
+def test_a_hub_load_checks_the_snapshot_and_says_the_skip_once(pair, tmp_path):
+    """A repository id read from the hub cache (offline) is checked as a folder is: the vision tower is skipped with
+    one log line, and a tensor the model does not know is an error naming it."""
+    _, vision = pair
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--kimi--tiny-vision"
+    snapshot = remote_copy(vision, repo / "snapshots", commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    handler = Records()
+    logger = logging.getLogger("transformers.kimi_k3")
+    logger.addHandler(handler)
+    try:
+        model = AutoModelForCausalLM.from_pretrained("kimi/tiny-vision", cache_dir=tmp_path / "hub",
+                                                     trust_remote_code=True)
+    finally:
+        logger.removeHandler(handler)
+    assert type(model).__name__ == "KimiK3ForCausalLM"
+    said = [m for m in handler.messages if "vision-tower" in m]
+    assert len(said) == 1 and "skipping 18 vision-tower tensors" in said[0] and commit in said[0], said
+    from safetensors.torch import load_file, save_file
+
+    shard = sorted(snapshot.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors["language_model.model.layers.0.stray.weight"] = torch.zeros(2)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.0\.stray\.weight"):
+        AutoModelForCausalLM.from_pretrained("kimi/tiny-vision", cache_dir=tmp_path / "hub", trust_remote_code=True)
+
+
 def test_any_other_unexpected_tensor_is_still_an_error(pair, tmp_path):
     from safetensors.torch import load_file, save_file
 
