@@ -13,6 +13,7 @@ byte-identical.
 from __future__ import annotations
 
 import base64
+import importlib
 import inspect
 import json
 import secrets
@@ -85,6 +86,12 @@ DEFAULT_THINKING_EFFORT = "max"
 MODEL_MAX_LENGTH = 131072
 VOCAB_FILE = "tiktoken.model"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The tokenizer's `response_template` (and `response_schema`, the name older 5.x releases such as 5.0.0
+# read). transformers' chat pipelines hand a reply to `parse_response` when a tokenizer has one; this
+# value is no declarative template but says that `KimiK3Tokenizer.parse_response` (kimi_k3_parsing)
+# parses the reply. It is never saved.
+RESPONSE_TEMPLATE = "kimi_k3_parsing"
+RESPONSE_HOOKS = ("response_template", "response_schema")
 
 
 def load_rank_file(path: str | Path) -> dict[bytes, int]:
@@ -151,6 +158,28 @@ def _split_long_runs(text: str) -> list[str]:
             run_start = i
     bounds = [0, *cuts, len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _parsing():
+    """The kimi_k3_parsing module beside this file (in the repo, or in transformers' remote-code package)."""
+    return importlib.import_module(f"{__package__}.kimi_k3_parsing" if __package__ else "kimi_k3_parsing")
+
+
+class DecodedText(str):
+    """What `decode` returns: the text, remembering the ids it was decoded from in `token_ids`.
+
+    transformers' pipelines give `parse_response` decoded text; through `token_ids` it parses the ids,
+    which alone tell a control token from text spelling it. Any string operation on it gives a plain
+    `str`, and it pickles and copies as one.
+    """
+
+    def __new__(cls, text: str, token_ids):
+        self = super().__new__(cls, text)
+        self.token_ids = tuple(token_ids)
+        return self
+
+    def __reduce__(self):
+        return str, (str(self),)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,7 +580,8 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
     Plain text is always encoded as ordinary BPE (`tokenizer(text)` never yields a control id);
     control ids come only from `apply_chat_template`, which renders with `render_chat` and encodes
     segment by segment. `decode(..., skip_special_tokens=True)` drops the reserved tokens except
-    `<|open|>`, `<|close|>` and `<|sep|>`, so the output can still be parsed.
+    `<|open|>`, `<|close|>` and `<|sep|>`, so the output can still be parsed. `parse_response` parses
+    replies with kimi_k3_parsing, which `response_template` hands it in transformers' chat pipelines.
     """
 
     vocab_files_names = {"vocab_file": VOCAB_FILE}
@@ -613,6 +643,19 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
             clean_up_tokenization_spaces=clean_up_tokenization_spaces,
             **kwargs,
         )
+        for hook in RESPONSE_HOOKS:
+            setattr(self, hook, RESPONSE_TEMPLATE)
+
+    def save_pretrained(self, *args, **kwargs):
+        """Save as the base class does, but without RESPONSE_TEMPLATE, which no other loader could read."""
+        own = [hook for hook in RESPONSE_HOOKS if getattr(self, hook, None) == RESPONSE_TEMPLATE]
+        for hook in own:
+            setattr(self, hook, None)
+        try:
+            return super().save_pretrained(*args, **kwargs)
+        finally:
+            for hook in own:
+                setattr(self, hook, RESPONSE_TEMPLATE)
 
     # -- vocabulary ---------------------------------------------------------------------------
 
@@ -688,7 +731,7 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         return data.decode("utf-8", errors="replace")
 
     def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else token_ids
+        ids = self._kept_ids([token_ids] if isinstance(token_ids, int) else token_ids, False)
         text = self._model.decode_bytes(self._kept_ids(ids, skip_special_tokens)).decode("utf-8", errors="replace")
         if (
             clean_up_tokenization_spaces
@@ -696,7 +739,50 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
             else self.clean_up_tokenization_spaces
         ):
             text = self.clean_up_tokenization(text)
-        return text
+        return DecodedText(text, ids)
+
+    # -- replies ------------------------------------------------------------------------------
+
+    def parse_response(self, response, schema=None, *, prefix=None, tools=None):
+        """Parse generated output into an assistant message: `kimi_k3_parsing.parse`'s dict.
+
+        transformers' chat pipelines call this (see RESPONSE_TEMPLATE). Those that read
+        `response_template` (5.22.2 to 5.25.0 checked) pass the prompt as `prefix` and the reply as
+        this tokenizer's DecodedText, which is parsed from its ids, so exactly. `response` may be the
+        generated ids (exact) or text; text that is not a DecodedText (5.0.0's pipeline cuts it out
+        of a longer decode) is parsed as text, where a spelled `<|open|>`, `<|close|>` or `<|sep|>`
+        cannot be told from the control token (see `parse`). A batch (2-D ids, a list of sequences
+        or strings) gives a list. `prefix` is the prompt, text or ids: one ending in the think or
+        response generation prompt says where the reply starts; without it `parse` guesses. `tools`
+        is unused: K3 writes each argument's type. Another `schema` goes to transformers' own parser.
+        """
+        if schema is None:
+            schema = self.response_template
+        if schema != RESPONSE_TEMPLATE:
+            return super().parse_response(response, schema, prefix=prefix, tools=tools)
+        if hasattr(response, "tolist"):
+            response = response.tolist()
+        if isinstance(response, (list, tuple)) and response and not isinstance(response[0], int):
+            batched_prefix = isinstance(prefix, (list, tuple)) and prefix and not isinstance(prefix[0], int)
+            prefixes = prefix if batched_prefix else [prefix] * len(response)
+            return [self.parse_response(item, prefix=item_prefix) for item, item_prefix in zip(response, prefixes)]
+        parsing = _parsing()
+        thinking = None
+        if prefix is not None:
+            prompt = prefix if isinstance(prefix, str) else self.decode(prefix)
+            starts = {parsing.THINK_OPEN: True, parsing.RESPONSE_OPEN: False}
+            thinking = next((value for end, value in starts.items() if prompt.endswith(end)), None)
+        output = getattr(response, "token_ids", response)
+        return parsing.parse(output, thinking=thinking, tokenizer=None if isinstance(output, str) else self)
+
+    def get_response_parser(self, response_template=None, **kwargs):
+        """transformers' streaming parser reads declarative templates only; K3 streams through StreamParser."""
+        if response_template is None and self.response_template == RESPONSE_TEMPLATE:
+            raise NotImplementedError(
+                "Kimi K3 replies stream through kimi_k3_parsing.StreamParser(thinking=..., tokenizer=tok): "
+                "feed it the generated ids"
+            )
+        return super().get_response_parser(response_template, **kwargs)
 
     # -- chat ---------------------------------------------------------------------------------
 

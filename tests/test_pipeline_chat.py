@@ -1,12 +1,18 @@
 """End to end on a tiny random checkpoint: the text-generation pipeline prompts with the K3
-tokenizer's own chat ids (thinking on and off) and whatever it generates parses without raising."""
+tokenizer's own chat ids (thinking on and off), and returns the reply parsed (reasoning, content,
+tool calls) where transformers hands it to `tokenizer.parse_response`; elsewhere the ids parse."""
 
+import copy
+import inspect
+import json
+import pickle
 from pathlib import Path
 
 import pytest
+import torch
 from chat_cases import PROMPT_RESPONSE, PROMPT_THINK
-from transformers import pipeline
-from transformers.pipelines.text_generation import Chat
+from transformers import AutoTokenizer, pipeline
+from transformers.pipelines.text_generation import Chat, TextGenerationPipeline
 
 import tokenization_kimi_k3 as k3
 from kimi_k3_parsing import parse
@@ -17,6 +23,23 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 RANK_FILE = Path(__file__).resolve().parent / "fixtures" / "tiktoken.model"
 R = len(k3.load_rank_file(RANK_FILE))
+# Releases that read `response_template` (5.23, 5.24) pass chat replies through parse_response; 4.57 returns text.
+HOOK = "response_template" in inspect.getsource(TextGenerationPipeline.postprocess)
+# A reply with all three parts, whose text spells control tokens (ordinary BPE: only the ids tell).
+REPLY = {
+    "role": "assistant",
+    "reasoning_content": "The user wants <|close|>think<|sep|> quoted. List the files first.",
+    "content": "Listing them; the quote is <|close|>response<|sep|> verbatim.",
+    "tool_calls": [{"type": "function", "function": {"name": "run_shell", "arguments": {"cmd": "ls -l", "depth": 2}}}],
+}
+
+
+def rendered_reply(tokenizer, thinking):
+    """The prompt ids and the ids of REPLY after it, both from the tokenizer's own chat renderer."""
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, thinking=thinking, return_dict=False)
+    whole = tokenizer.apply_chat_template([*MESSAGES, REPLY], thinking=thinking, return_dict=False)
+    assert whole[: len(prompt)] == prompt
+    return prompt, whole[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +69,11 @@ def test_generated_reply_parses(chat_pipe, thinking):
                                                      return_dict=False)
     ids = chat_pipe(MESSAGES, max_new_tokens=8, do_sample=False, tokenizer_encode_kwargs={"thinking": thinking},
                     return_tensors=True)[0]["generated_token_ids"]
-    assert parse(list(ids)[len(prompt):], tokenizer=chat_pipe.tokenizer, thinking=thinking) == parse(
-        reply["content"], thinking=thinking) or "<|" in reply["content"]
+    from_ids = parse(list(ids)[len(prompt):], tokenizer=chat_pipe.tokenizer, thinking=thinking)
+    if HOOK:
+        assert reply == from_ids
+        return
+    assert from_ids == parse(reply["content"], thinking=thinking) or "<|" in reply["content"]
     parsed = parse(reply["content"], thinking=thinking)
     if "<|" not in reply["content"]:  # no marker at all: everything is the channel the prompt opened
         assert parsed["reasoning_content" if thinking else "content"] == reply["content"]
@@ -78,3 +104,69 @@ def test_the_cli_chat_parses_ids_so_spelled_markers_stay_text(chat_pipe, monkeyp
     assert not reply.get("tool_calls")
     assert "run_shell" in reply["content"]
     assert parse(spelled, thinking=False).get("tool_calls")  # what parsing the decoded text would have done
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_pipeline_returns_the_reply_parsed(chat_pipe, monkeypatch, thinking):
+    """The model "generates" REPLY. With the hook the pipeline's last message is its reasoning, content and
+    tool call, parsed from the ids, and re-renders to the same ids; on 4.57 it is text, and the ids parse."""
+    tokenizer = chat_pipe.tokenizer
+    prompt, generated = rendered_reply(tokenizer, thinking)
+
+    def generate(input_ids, **kwargs):
+        assert input_ids[0].tolist() == prompt
+        return torch.tensor([prompt + generated])
+
+    monkeypatch.setattr(chat_pipe.model, "generate", generate)
+    message = chat_pipe(MESSAGES, max_new_tokens=len(generated), tokenizer_encode_kwargs={"thinking": thinking})[0][
+        "generated_text"
+    ][-1]
+    expected = parse(generated, tokenizer=tokenizer, thinking=thinking)
+    assert expected["reasoning_content"] == (REPLY["reasoning_content"] if thinking else None)
+    assert expected["content"] == REPLY["content"] and expected["finished"] and not expected["malformed"]
+    calls = [(call["type"], call["function"]["name"], json.loads(call["function"]["arguments"]))
+             for call in expected["tool_calls"]]
+    assert calls == [("function", "run_shell", {"cmd": "ls -l", "depth": 2})]
+    if HOOK:
+        assert message == expected
+        assert parse(str(tokenizer.decode(generated)), thinking=thinking) != expected  # the text alone misreads it
+        again = tokenizer.apply_chat_template([*MESSAGES, message], thinking=thinking, return_dict=False)
+        assert again == prompt + generated
+    else:
+        assert message == {"role": "assistant", "content": tokenizer.decode(generated, skip_special_tokens=True)}
+        ids = chat_pipe(MESSAGES, max_new_tokens=len(generated), tokenizer_encode_kwargs={"thinking": thinking},
+                        return_tensors=True)[0]["generated_token_ids"]
+        assert parse(list(ids)[len(prompt):], tokenizer=tokenizer, thinking=thinking) == expected
+
+
+def test_parse_response_reads_ids_and_decoded_text_exactly(chat_pipe):
+    tokenizer = chat_pipe.tokenizer
+    prompt, generated = rendered_reply(tokenizer, thinking=True)
+    expected = parse(generated, tokenizer=tokenizer, thinking=True)
+    text = tokenizer.decode(generated)
+    assert tokenizer.parse_response(generated, prefix=prompt) == expected
+    assert tokenizer.parse_response(torch.tensor(generated), prefix=tokenizer.decode(prompt)) == expected
+    assert tokenizer.parse_response(text, prefix=prompt) == expected  # decode's text carries its ids
+    assert tokenizer.parse_response(torch.tensor([generated] * 2), prefix=prompt) == [expected, expected]
+    # Text from anywhere else is parsed as text: spelled control tokens read as structure.
+    assert tokenizer.parse_response(str(text), prefix=prompt) == parse(str(text), thinking=True) != expected
+    assert type(pickle.loads(pickle.dumps(text))) is str and type(copy.deepcopy(text)) is str
+    assert type(text + "") is str and text == str(text)
+
+
+def test_save_pretrained_writes_no_response_hook(chat_pipe, tmp_path):
+    tokenizer = chat_pipe.tokenizer
+    tokenizer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert not {"response_template", "response_schema"} & set(config)
+    assert tokenizer.response_template == k3.RESPONSE_TEMPLATE  # restored after saving
+    reloaded = AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=True)
+    assert reloaded.response_template == k3.RESPONSE_TEMPLATE
+    prompt, generated = rendered_reply(reloaded, thinking=False)
+    assert reloaded.parse_response(generated, prefix=prompt) == parse(generated, tokenizer=tokenizer, thinking=False)
+
+
+@pytest.mark.skipif(not HOOK, reason="this transformers has no response_template hook")
+def test_streaming_points_to_stream_parser(chat_pipe):
+    with pytest.raises(NotImplementedError, match="StreamParser"):
+        chat_pipe.tokenizer.get_response_parser(prefix="")
