@@ -8,8 +8,8 @@ Per head, with key/value state S (K x V), decay g_t (log-space, per key channel)
 WY/UT form (prefill). Both take q, k already L2-normalised and apply `scale` to q, as fla's
 `naive_recurrent_kda` does; math runs in float32 (float64 inputs stay float64).
 
-`kda_forward` is what the model calls: fla-core's Triton kernels on CUDA where they import (see ENABLED below),
-else this reference. fla is imported lazily, so this module needs only torch.
+`kda_forward` is what the model calls: fla-core's Triton kernels on CUDA where the caller asks for one and they
+import (see the notes above `_load`), else this reference. fla is imported lazily, so this module needs only torch.
 """
 
 
@@ -98,14 +98,14 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
 # fla-core dispatch (CUDA)
 # ------------------------------------------------------------------------------------------------------------------
 
-# fla-core's kernels are used where the model's fast paths say so (`fla=True` here): its decode kernel by default
-# (the `kda` path), its chunked prefill kernel only on request (`kda_prefill`; prefill otherwise runs the
-# reference's chunked form, 64-token chunks on CUDA: a KDA + MoE layer 42-43 k tokens/s at 2k-8k tokens on an H200,
-# against 102-108 k with fla's). Measured on an H200:
-# on a small bf16 model's own activations every fla call is within 0.4 % of the reference, output and state; but over
-# 64 greedy steps of that model (bench/greedy_gpu.py, tests/test_gpu_paths.py), with fla's prefill the reference's
-# argmax is the chosen token at 81-88 % of steps (mean shortfall 0.013-0.021 logit std, largest 0.34-0.54, safe_gate
-# on or off), with fla for decode steps only at 97-98 % (mean 0.0006, largest 0.038-0.054), as with the Triton experts.
+# fla-core's kernels are used where the model's fast paths say so (`kernel=` here). Its recurrent kernel keeps the
+# state in fp32, token by token: it runs the decode steps and, by default, prefill too (the `kda` path). Its chunked
+# kernel (`kda_prefill`, opt-in) is 2-7x faster at prefill but leaves a state with bf16-level error: on the release's
+# shapes against a float64 recomputation (bench/kda_parity.py, H200), chunk state 3.0e-3 and output 4.1e-3 (bf16
+# rounding of the output alone: 1.7e-3), recurrent state 9e-8 and output 1.7e-3, the torch reference state 2.5e-6;
+# prompt of 8192 tokens: chunk 4.9 ms, recurrent 31 ms, reference 211 ms. The chunk kernel's state error is what made
+# a small model's greedy tokens stray (the reference's argmax at 81-88 % of steps, against 97 % otherwise); its gate
+# is the model's (fla's `kda_gate` computes lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) in fp32).
 
 _fla = None
 
@@ -130,26 +130,29 @@ def supported(device):
     return torch.device(device).type == "cuda" and _load() is not None
 
 
-def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, decode=False,
-                in_place=False, fla=False, safe_gate=True):
+def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, in_place=False,
+                kernel=None, safe_gate=True):
     """KDA core. q, k, g_raw: [B, T, H, K]; v: [B, T, H, V]; beta_raw: [B, T, H] (logits); A_log: [H];
-    dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `decode` selects the step-by-step kernel;
-    `in_place` lets fla's decode kernel write the new state over `initial_state` (a static cache's buffer; the
-    reference path always returns a new tensor). `fla` runs fla-core's kernel for this call where it loads;
-    `safe_gate` lets its prefill kernel use fla's safe gate (16-row tensor-core sub-chunks, valid for gates bounded
-    in [lower_bound, 0) with lower_bound >= -5) wherever the bound allows.
+    dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `kernel` picks fla-core's kernel for this call where
+    it loads: "recurrent" (token by token, fp32 state; `in_place` lets it write the new state over `initial_state`,
+    a static cache's buffer) or "chunk" (chunked prefill; `safe_gate` lets it use fla's safe gate, 16-row
+    tensor-core sub-chunks valid for gates bounded in [lower_bound, 0) with lower_bound >= -5, wherever the bound
+    allows). Otherwise the reference runs: `recurrent_kda` for one token with a state, else `chunk_kda`, and always
+    returns a new state.
 
     Returns (o [B, T, H, V] in v's dtype on the fla path, fp32 on the reference path; state [B, H, K, V] fp32).
     """
-    kernels = _load() if fla and q.is_cuda else None
+    kernels = _load() if kernel is not None and q.is_cuda else None
     if kernels is None:
         g = kda_gate(g_raw, A_log, dt_bias, lower_bound)
         beta = torch.sigmoid(beta_raw.float())
         inputs = (l2norm(q.float()), l2norm(k.float()), v.float(), g, beta)
-        if decode:
+        if q.shape[1] == 1 and initial_state is not None:
             return recurrent_kda(*inputs, scale=scale, initial_state=initial_state)
         # 16-token chunks suit a CPU's caches; on a GPU fewer, larger chunks mean fewer kernel launches
         return chunk_kda(*inputs, scale=scale, initial_state=initial_state, chunk_size=64 if q.is_cuda else 16)
+    if kernel not in ("recurrent", "chunk"):
+        raise ValueError(f"kda_forward: kernel must be 'recurrent', 'chunk' or None, got {kernel!r}")
     fla_chunk, fla_recurrent = kernels
     dtype = v.dtype
     q, k, g_raw, beta_raw = (t.to(dtype).contiguous() for t in (q, k, g_raw, beta_raw))
@@ -166,7 +169,7 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
         dt_bias=dt_bias.float().contiguous(),
         lower_bound=lower_bound,
     )
-    if decode:
+    if kernel == "recurrent":
         in_place = in_place and initial_state is not None
         o, state = fla_recurrent(q, k, v.contiguous(), g_raw, beta_raw, inplace_final_state=in_place, **common)
     else:

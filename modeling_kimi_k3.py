@@ -394,12 +394,12 @@ class KimiK3DeltaAttention(nn.Module):
         (q, k, v), conv_states = self.short_convs(projected, own.conv_states, own.in_place, fast.fused)
         branch.join()
         state = own.recurrent_state
-        decode = length == 1 and state is not None
-        # fla-core's kernels where the kda / kda_prefill paths are on, else the pure-torch reference
+        # fla-core's chunked kernel for prompts where kda_prefill is on, else its recurrent kernel where kda is on
+        # (decode steps and prompts alike), else the pure-torch reference
+        kernel = "chunk" if fast.kda_prefill and length > 1 else "recurrent" if fast.kda else None
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                               state, decode=decode, in_place=own.in_place,
-                               fla=fast.kda if decode else fast.kda_prefill)
+                               state, in_place=own.in_place, kernel=kernel)
         own.update(conv_states, state)
         o = self.o_norm(o.to(x.dtype)) * out_gate
         return self.o_proj(o.reshape(batch, length, -1))

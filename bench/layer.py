@@ -465,7 +465,7 @@ def bench_kda_core(tokens, reps, seed):
         out["reference_ms"] = t.ms
         for safe in (True, False):
             run = lambda: kda.kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0,  # noqa: E731
-                                          dim**-0.5, fla=True, safe_gate=safe)
+                                          dim**-0.5, kernel="chunk", safe_gate=safe)
             o, state = run()
             out["safe_gate" if safe else "no_safe_gate"] = {
                 "ms": time_ms(run, reps), "o_rel_err": float((o.float() - ref_o).norm() / ref_o.norm()),

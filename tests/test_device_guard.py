@@ -128,9 +128,10 @@ def on_second_gpu(module):
     return module
 
 
-def run_layers_on_second_gpu():
+def run_layers_on_second_gpu(kda_prefill="on"):
     """A KDA + MoE and an MLA + MoE layer on cuda:1, prefill of 5 tokens at batch 2, then a one-token decode step at
-    batch 2 and at batch 1 (per-pair expert blocks), every fast path on but side streams."""
+    batch 2 and at batch 1 (per-pair expert blocks), every fast path on but side streams (fla's chunked KDA prefill
+    kernel as `kda_prefill` says)."""
     config = tiny_config(packed=True, hidden_size=64, routed_expert_hidden_size=64, moe_intermediate_size=64,
                          num_experts=8, num_experts_per_token=4).text_config
     kinds = {config.layer_types[i]: i for i in range(1, config.num_hidden_layers)}
@@ -140,7 +141,7 @@ def run_layers_on_second_gpu():
     with SecondGpuMode(), torch.no_grad():
         for layer in layers:
             assert layer.block_sparse_moe.stack_experts() is not None
-        with use_fast_paths(layers[0], side_streams="off", cuda_graphs="off", kda_prefill="on", experts="on",
+        with use_fast_paths(layers[0], side_streams="off", cuda_graphs="off", kda_prefill=kda_prefill, experts="on",
                             kda="on", fused="on"):
             for batch in (2, 1):
                 cache = KimiK3Cache(config)
@@ -170,3 +171,11 @@ def test_an_unguarded_entry_point_is_caught(launches, monkeypatch):
     monkeypatch.setattr(modeling_kimi_k3, "fused_attn_res_mix", fused_triton.attn_res_mix)
     run_layers_on_second_gpu()
     assert {name for name, current, _ in calls if current != 1} == {"_attn_res_mix_kernel"}
+
+
+def test_prompts_take_fla_recurrent_kernel_unless_kda_prefill_is_on(launches):
+    """By default (kda on, kda_prefill off) prompts and decode steps alike run fla's recurrent kernel, whose state
+    stays fp32; its chunked kernel only where kda_prefill is on (kda.py says why)."""
+    calls, _ = launches
+    run_layers_on_second_gpu(kda_prefill="off")
+    assert {name for name, _, _ in calls if name.startswith("fla_")} == {"fla_fused_recurrent_kda"}

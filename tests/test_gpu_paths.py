@@ -216,19 +216,20 @@ def kda_inputs(batch, length, heads=96, dim=128, seed=0):
     return q, k, v, g_raw, beta_raw, A_log, dt_bias, state
 
 
-@pytest.mark.parametrize("length,decode,with_state", [(1, True, True), (100, False, True), (64, False, False)])
-def test_kda_fla_matches_reference(length, decode, with_state):
+@pytest.mark.parametrize("length,kernel,with_state", [(1, "recurrent", True), (100, "recurrent", True),
+                                                     (100, "chunk", True), (64, "chunk", False)])
+def test_kda_fla_matches_reference(length, kernel, with_state):
     if not kda.supported(DEVICE):
         pytest.skip("fla-core is not importable here")
     q, k, v, g_raw, beta_raw, A_log, dt_bias, state = kda_inputs(2, length)
     state = state if with_state else None
     args = (q, k, v, g_raw, beta_raw, A_log, dt_bias, -5.0, 128**-0.5, state)
     with torch.no_grad():
-        o, s = kda.kda_forward(*args, decode=decode, fla=True)
+        o, s = kda.kda_forward(*args, kernel=kernel)
         g = kda.kda_gate(g_raw, A_log, dt_bias, -5.0)
         ref_o, ref_s = kda.recurrent_kda(kda.l2norm(q.float()), kda.l2norm(k.float()), v.float(), g,
                                          torch.sigmoid(beta_raw.float()), scale=128**-0.5, initial_state=state)
-    print(f"kda T={length} decode={decode} state={with_state}: o {rel(o, ref_o):.2e}, state {rel(s, ref_s):.2e}")
+    print(f"kda T={length} {kernel} state={with_state}: o {rel(o, ref_o):.2e}, state {rel(s, ref_s):.2e}")
     assert rel(o, ref_o) < BF16_TOL and rel(s, ref_s) < BF16_TOL
 
 
@@ -326,16 +327,17 @@ def teacher_forced(model, prompt, generated):
 MIN_AGREEMENT, MAX_MEAN_GAP = 0.8, 0.05
 
 
-@pytest.mark.parametrize("fla", ["off", "decode", "all"])
+@pytest.mark.parametrize("fla", ["off", "recurrent", "chunk_prefill"])
 def test_greedy_64_steps_fast_vs_reference(fla):
-    """fla's KDA kernels off, for the decode steps only (the default), or for prefill too (opt-in: kda_prefill)."""
+    """fla's KDA kernels off, its recurrent kernel for the decode steps and the prompt (the default), or its chunked
+    kernel for the prompt (opt-in: kda_prefill)."""
     if fla != "off" and not kda.supported(DEVICE):
         pytest.skip("fla-core is not importable here")
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device=DEVICE)
     steps = 64
     with torch.no_grad():
-        with use_fast_paths(model, kda=fla != "off", kda_prefill=fla == "all"):
+        with use_fast_paths(model, kda=fla != "off", kda_prefill=fla == "chunk_prefill"):
             fast = model.generate(prompt, max_new_tokens=steps, do_sample=False)
         with use_fast_paths(model, **REFERENCE):
             ref = model.generate(prompt, max_new_tokens=steps, do_sample=False)
@@ -355,8 +357,9 @@ def test_fla_kda_matches_reference_on_the_model_activations():
     errors = []
 
     def both(*args, **kwargs):
-        ref_o, ref_s = kda.kda_forward(*args, **{**kwargs, "fla": False})
-        o, s = kda.kda_forward(*args, **{**kwargs, "fla": True})
+        ref_o, ref_s = kda.kda_forward(*args, **{**kwargs, "kernel": None})
+        o, s = kda.kda_forward(*args, **kwargs)
+        assert kwargs["kernel"] == "recurrent", "the model's default KDA kernel is fla's recurrent one"
         errors.append((args[0].shape[1], rel(o, ref_o), rel(s, ref_s)))
         return o, s
 
@@ -443,7 +446,7 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
             return originals[0](*args)
 
         def kda_forward(*args, **kwargs):
-            taken["kda"] += bool(kwargs.get("fla"))
+            taken["kda"] += kwargs.get("kernel") is not None
             return originals[1](*args, **kwargs)
 
         def mix(*args):
