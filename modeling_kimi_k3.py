@@ -467,12 +467,14 @@ class KimiK3MLAttention(nn.Module):
             positions = _next_positions(cache, length, x.device)
         if cache is not None:
             latent = cache.layers[self.layer_idx].update(latent, positions)  # every key these queries may see
-        mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
-        branch.join()
         # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
         # own forward, so an offloaded (meta) weight takes the expanding path.
         absorb = (latent.shape[1] > length and length <= self.ABSORB_MAX_QUERIES
                   and self.kv_b_proj.weight.device.type != "meta")
+        if cache is not None and not absorb:  # a static cache's unfilled tail holds no key of these queries
+            latent = latent[:, : cache.get_seq_length() + length]
+        mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
+        branch.join()
         attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         if out_gate is not None:
@@ -1241,6 +1243,10 @@ class KimiK3TextModel(nn.Module):
         self.output_attn_res_proj = KimiK3AttnResProj(config.hidden_size)
         self.norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    # Prompts longer than this run through the cache this many tokens at a time (the same outputs, activation memory
+    # bounded by the chunk); None: in one piece. Set on the instance to change it.
+    prefill_chunk_size = 8192
+
     def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, cache=None, use_cache=False):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
@@ -1249,6 +1255,18 @@ class KimiK3TextModel(nn.Module):
         self.dispatch.refresh()
         if use_cache and cache is None:
             cache = KimiK3Cache(self.config)
+        chunk = self.prefill_chunk_size
+        if cache is not None and chunk and inputs_embeds.shape[1] > chunk:
+            past, hidden = cache.get_seq_length(), []
+            for start in range(0, inputs_embeds.shape[1], chunk):
+                part = inputs_embeds[:, start : start + chunk]
+                mask = None if attention_mask is None else attention_mask[:, : past + start + part.shape[1]]
+                hidden.append(self.run_layers(part, mask, cache)[0])
+            return torch.cat(hidden, dim=1), cache
+        return self.run_layers(inputs_embeds, attention_mask, cache)
+
+    def run_layers(self, inputs_embeds, attention_mask, cache):
+        """The decoder over embedded tokens that follow the cache's (all of them at once); returns (hidden, cache)."""
         length, device = inputs_embeds.shape[1], inputs_embeds.device
         if cache is not None:
             attention_mask, positions = cache.prepare(attention_mask, inputs_embeds.shape[0], length, device)
