@@ -294,9 +294,11 @@ def layer_flops(layer, tokens):
     for name, module in layer.named_modules():
         if isinstance(module, torch.nn.Linear) and ".experts." not in f".{name}.":
             text_linear += module.in_features * module.out_features
-    moe = layer.block_sparse_moe
-    e = moe.experts[0]
-    flops = 2 * tokens * text_linear + 6 * tokens * moe.gate.top_k * e.w1.in_features * e.w1.out_features
+    flops = 2 * tokens * text_linear
+    moe = getattr(layer, "block_sparse_moe", None)  # None: the dense layer 0
+    if moe is not None:
+        e = moe.experts[0]
+        flops += 6 * tokens * moe.gate.top_k * e.w1.in_features * e.w1.out_features
     attn = layer.self_attn
     if isinstance(attn, KimiK3DeltaAttention):
         flops += 2 * tokens * attn.num_heads * (4 * attn.head_dim**2 + 2 * 64 * attn.head_dim)
