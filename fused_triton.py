@@ -10,7 +10,11 @@ moving bytes. Each kernel here replaces one such chain with the same fp32 math:
   * `router_topk`: the MoE router after its GEMM: sigmoid, the bias-corrected top-k, the chosen scores gathered,
     renormalised and scaled (torch: ~8 kernels; here 1);
   * `pair_sum_norm`: the LatentMoE's sum of its per-(token, slot) expert outputs, rounded to the activation dtype,
-    and the RMSNorm after it (torch: 3 kernels; here 1).
+    and the RMSNorm after it (torch: 3 kernels; here 1);
+  * `latent_attention`: MLA's one-query attention in the latent space, split over the cached keys (flash
+    decoding: each program an online softmax over its keys, one more kernel combining them), reading only the keys
+    up to the query's position, which it takes from device memory, so a static cache's unfilled tail costs nothing
+    and a CUDA graph stays valid as the context grows (torch: ~8 kernels over every cached slot).
 
 The model calls these where its `fused` fast path is on (on CUDA, where triton imports, by default); everywhere
 else, and as the reference the tests compare against, it runs its own torch code. Sums run in another order than torch's, so results agree to fp32
@@ -162,6 +166,118 @@ if triton is not None:
             rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / L + eps)
             y = (r * rstd * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * L + offs, y, mask=mask)
+
+
+    @triton.jit
+    def _latent_attention_split_kernel(q_ptr, kv_ptr, valid_ptr, pos_ptr, acc_ptr, ml_ptr, H, C, R, NS,
+                                       stride_qb, stride_kb, stride_vb, scale, SPLIT: tl.constexpr,
+                                       BLOCK_H: tl.constexpr,
+                                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                                       HAS_VALID: tl.constexpr, IEEE: tl.constexpr):
+        """One program per (row, split of SPLIT keys, BLOCK_H heads): the online softmax of the heads' scores
+        q_c . c_j + q_r . r_j over the split's keys j <= the query's position (and, with HAS_VALID, not padding,
+        or the query's own), accumulating sum_j p_j c_j; stores that unnormalised sum, the running max and the sum
+        of p (fp32). Splits past the query's position return at once."""
+        b = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        q_pos = tl.load(pos_ptr).to(tl.int32)
+        start = split * SPLIT
+        if start > q_pos:
+            return
+        end = tl.minimum(start + SPLIT, q_pos + 1)
+        offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
+        offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
+        c_mask, r_mask = offs_c < C, offs_r < R
+        q_row = q_ptr + b * stride_qb + offs_h[:, None] * (C + R)
+        q_c = tl.load(q_row + offs_c[None, :], mask=h_mask[:, None] & c_mask[None, :], other=0.0)
+        q_r = tl.load(q_row + C + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+        m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+        l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+        for n0 in range(0, SPLIT, BLOCK_N):  # keys from `end` on are masked: not read
+            offs_n = start + n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            k_row = kv_ptr + b * stride_kb + offs_n[:, None].to(tl.int64) * (C + R)
+            k_c = tl.load(k_row + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
+            k_r = tl.load(k_row + C + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+            if IEEE:
+                s = (tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
+                     + tl.dot(q_r, tl.trans(k_r), input_precision="ieee"))
+            else:
+                s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
+            valid = n_mask
+            if HAS_VALID:
+                valid = valid & ((tl.load(valid_ptr + b * stride_vb + offs_n, mask=n_mask, other=0) != 0)
+                                 | (offs_n == q_pos))
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(k_c.dtype), k_c, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(k_c.dtype), k_c)
+            m = m_new
+        part = (b * NS + split) * H + offs_h
+        tl.store(acc_ptr + part[:, None] * C + offs_c[None, :], acc, mask=h_mask[:, None] & c_mask[None, :])
+        tl.store(ml_ptr + part * 2, m, mask=h_mask)
+        tl.store(ml_ptr + part * 2 + 1, l, mask=h_mask)
+
+    @triton.jit
+    def _latent_attention_combine_kernel(acc_ptr, ml_ptr, pos_ptr, out_ptr, H, C, SPLIT, NS,
+                                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        """One program per (row, head, BLOCK_C latent columns): the splits' partial sums rescaled to their common
+        max and divided by the total sum of p; only the splits the query's position reached are read."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = offs_c < C
+        active = tl.load(pos_ptr).to(tl.int32) // SPLIT + 1
+        offs_s = tl.arange(0, BLOCK_S)
+        s_mask = offs_s < active
+        part = (b * NS + offs_s) * H + h
+        m = tl.load(ml_ptr + part * 2, mask=s_mask, other=-1e30)
+        l = tl.load(ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+        w = tl.where(s_mask, tl.exp(m - tl.max(m, axis=0)), 0.0)
+        acc = tl.load(acc_ptr + part[:, None] * C + offs_c[None, :], mask=s_mask[:, None] & c_mask[None, :],
+                      other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(out_ptr + (b * H + h) * C + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
+
+
+def latent_attention(q, latent, position, key_mask, scale, latent_width):
+    """One query's attention over cached latents: `q` [B, H, C + R] (the absorbed no-position part against the
+    latent's first C = `latent_width` values, then the R rope-style values), `latent` [B, keys, C + R], `position`
+    a one-element device tensor (the query's absolute position: keys after it are not read), `key_mask` [B, >= keys]
+    (0 = padding; None: none) or None. Returns softmax_j(scale * q . latent_j) . latent_j[:C] as [B, H, C] in q's
+    dtype."""
+    batch, heads, width = q.shape
+    keys, rope = latent.shape[1], width - latent_width
+    q, latent = q.contiguous(), latent.contiguous()
+    if key_mask is not None and key_mask.stride(-1) != 1:
+        key_mask = key_mask.contiguous()
+    block_h, block_n = 32, 32
+    groups = triton.cdiv(heads, block_h)
+    splits_wanted = max(1, min(128, 256 // (batch * groups)))
+    split = max(block_n, triton.next_power_of_2(triton.cdiv(keys, splits_wanted)))  # a power of 2: few compiles
+    splits = triton.cdiv(keys, split)
+    acc = torch.empty(batch, splits, heads, latent_width, dtype=torch.float32, device=q.device)
+    ml = torch.empty(batch, splits, heads, 2, dtype=torch.float32, device=q.device)
+    valid = key_mask if key_mask is not None else position
+    block_c, block_r = triton.next_power_of_2(latent_width), max(16, triton.next_power_of_2(rope))
+    _latent_attention_split_kernel[(batch, splits, groups)](
+        q, latent, valid, position, acc, ml, heads, latent_width, rope, splits, q.stride(0),
+        latent.stride(0), valid.stride(0) if key_mask is not None else 0, float(scale), SPLIT=split, BLOCK_H=block_h,
+        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, HAS_VALID=key_mask is not None,
+        IEEE=q.dtype == torch.float32, num_warps=8 if block_c >= 256 else 4)
+    out = torch.empty(batch, heads, latent_width, dtype=q.dtype, device=q.device)
+    combine_c = min(block_c, 64)
+    _latent_attention_combine_kernel[(batch, heads, triton.cdiv(latent_width, combine_c))](
+        acc, ml, position, out, heads, latent_width, split, splits, BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_C=combine_c, num_warps=4)
+    return out
 
 
 def pair_sum_norm(pairs, weight, eps, dtype):

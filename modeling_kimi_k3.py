@@ -30,7 +30,7 @@ try:
     from .configuration_kimi_k3 import KimiK3Config, check_fast_paths
     from .fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
     from .fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
-    from .fused_triton import short_conv as fused_short_conv
+    from .fused_triton import latent_attention as fused_latent_attention, short_conv as fused_short_conv
     from .kda import kda_forward, supported as fla_supported
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
@@ -40,7 +40,7 @@ except ImportError:  # imported from the repository root rather than as transfor
     from configuration_kimi_k3 import KimiK3Config, check_fast_paths
     from fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
     from fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
-    from fused_triton import short_conv as fused_short_conv
+    from fused_triton import latent_attention as fused_latent_attention, short_conv as fused_short_conv
     from kda import kda_forward, supported as fla_supported
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
@@ -170,9 +170,10 @@ def on_input_device(kernel):
     return launch
 
 
-fused_attn_res_mix, fused_short_conv, fused_pair_sum_norm, fused_router_topk, kda_forward, triton_routed_experts = map(
-    on_input_device,
-    (fused_attn_res_mix, fused_short_conv, fused_pair_sum_norm, fused_router_topk, kda_forward, triton_routed_experts))
+(fused_attn_res_mix, fused_latent_attention, fused_short_conv, fused_pair_sum_norm, fused_router_topk, kda_forward,
+ triton_routed_experts) = map(on_input_device, (fused_attn_res_mix, fused_latent_attention, fused_short_conv,
+                                                fused_pair_sum_norm, fused_router_topk, kda_forward,
+                                                triton_routed_experts))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -456,7 +457,8 @@ class KimiK3MLAttention(nn.Module):
         """x: [B, T, H]; attention_mask: [B, keys] over all cached and new tokens (0 = padding), or None;
         positions: [T] the new tokens' absolute positions (default: right after the cached ones)."""
         batch, length, _ = x.shape
-        branch = SideBranch(x, self.dispatch.at(x.device).side_streams)
+        fast = self.dispatch.at(x.device)
+        branch = SideBranch(x, fast.side_streams)
         with branch:  # the query path and the output gate, beside the latent's path through the cache
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
@@ -473,9 +475,12 @@ class KimiK3MLAttention(nn.Module):
                   and self.kv_b_proj.weight.device.type != "meta")
         if cache is not None and not absorb:  # a static cache's unfilled tail holds no key of these queries
             latent = latent[:, : cache.get_seq_length() + length]
-        mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
         branch.join()
-        attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
+        if absorb and length == 1 and fast.fused:  # one pass over the keys up to the query (fused_triton)
+            attn = self.attend_absorbed(q, latent, key_mask=attention_mask, position=positions)
+        else:
+            mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
+            attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         if out_gate is not None:
             attn = attn * out_gate
@@ -494,9 +499,11 @@ class KimiK3MLAttention(nn.Module):
         k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, self.num_heads, -1, -1)], dim=-1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
-    def attend_absorbed(self, q, latent, mask):
+    def attend_absorbed(self, q, latent, mask=None, key_mask=None, position=None):
         """Same attention in the latent space: q_nope is mapped through W_UK^T onto the latent, the softmax-weighted
-        latent is mapped through W_UV per head; per-head K/V are never materialised."""
+        latent is mapped through W_UV per head; per-head K/V are never materialised. Given the query's `position`
+        (one query; `key_mask` the padding mask or None) instead of `mask`, the weighted latent comes from
+        `fused_triton.latent_attention`."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -513,7 +520,12 @@ class KimiK3MLAttention(nn.Module):
 
         # matmuls rather than einsums: the same products with less Python and fewer permutes (~5 us less each at a
         # CPU decode step); equal up to the bmms' summation order (bitwise at the CPU benchmark's decode shapes)
-        scores = per_key(per_head(q_nope, w_uk), c) + per_key(q_rope, k_r)
+        q_latent = per_head(q_nope, w_uk)
+        if position is not None:
+            weighted = fused_latent_attention(torch.cat([q_latent, q_rope], dim=-1)[:, :, 0], latent, position[:1],
+                                              key_mask, self.scale, self.kv_lora_rank)
+            return per_head(weighted.unsqueeze(2), w_uv.mT)
+        scores = per_key(q_latent, c) + per_key(q_rope, k_r)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * self.scale
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))

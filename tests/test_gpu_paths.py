@@ -291,6 +291,31 @@ def test_mla_absorbed_matches_expanded():
         assert rel(attn.attend_absorbed(q, latent, mask), attn.attend_expanded(q, latent, mask)) < BF16_TOL
 
 
+@pytest.mark.parametrize("rows,keys,position,padded", [(1, 2048, 2047, False), (2, 4096, 1000, True),
+                                                      (1, 131072, 131071, False)])
+def test_fused_latent_attention_matches_the_absorbed_torch_code(rows, keys, position, padded):
+    """fused_triton.latent_attention inside the release-width MLA block (64 heads, latent 512 + 64) against its
+    torch absorbed path, bf16: a growing cache's keys, a static cache's tail past the query with padding, 131k."""
+    from modeling_kimi_k3 import _causal_padding_mask
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from configuration_kimi_k3 import KimiK3Config
+
+    text = KimiK3Config.from_pretrained(root).text_config
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        attn = KimiK3MLAttention(text, 3).to(torch.bfloat16)
+    q = torch.randn(rows, attn.num_heads, 1, attn.nope_dim + attn.rope_dim, device=DEVICE, dtype=torch.bfloat16)
+    latent = torch.randn(rows, keys, attn.kv_lora_rank + attn.rope_dim, device=DEVICE, dtype=torch.bfloat16)
+    key_mask = (torch.rand(rows, keys, device=DEVICE) > 0.2) if padded else None
+    positions = torch.tensor([position], device=DEVICE)
+    with torch.no_grad():
+        want = attn.attend_absorbed(q, latent, _causal_padding_mask(key_mask, positions, keys))
+        got = attn.attend_absorbed(q, latent, key_mask=key_mask, position=positions)
+    print(f"fused latent attention, {rows} x {keys} keys, query at {position}: rel {rel(got, want):.2e}")
+    assert rel(got, want) < BF16_TOL
+
+
 def small_model():
     config = tiny_config(packed=True, hidden_size=128, routed_expert_hidden_size=256, moe_intermediate_size=128,
                          num_experts=16, num_experts_per_token=4,

@@ -30,8 +30,9 @@ import fused_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import (FastPaths, KimiK3AttnResProj, KimiK3DeltaAttention, KimiK3LatentMoE,  # noqa: E402
-                              KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix, use_fast_paths)
+from modeling_kimi_k3 import (FastPaths, KimiK3AttnResProj, KimiK3Cache, KimiK3DeltaAttention,  # noqa: E402
+                              KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix,
+                              use_fast_paths)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SM90 = GPUTarget("cuda", 90, 32)
@@ -99,6 +100,7 @@ def recorded():
             record_moe(text)
             record_attn_res_mix(text)
             record_short_convs(text)
+            record_latent_attention(text)
     finally:
         patch.undo()
     unique = {}
@@ -168,6 +170,28 @@ def record_short_convs(text):
     layer = cache.layers[0]
     layer.update(histories, torch.zeros(1, attn.num_heads, attn.head_dim, attn.head_dim))
     attn.short_convs(projected(1), layer.conv_states, layer.in_place, fused=True)
+
+
+def record_latent_attention(text):
+    """MLA's one-query attention from the block's own code: a decode step into a static cache (its mask buffer,
+    a tail past the query) and into a growing cache with and without a padding mask."""
+    with torch.device("meta"):
+        attn = KimiK3MLAttention(text, layer_idx=3)
+    attn = attn.to_empty(device="cpu").to(torch.bfloat16)
+    for module in attn.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.normal_(0.0, 0.02)
+    x = torch.randn(1, 1, text.hidden_size).to(torch.bfloat16)
+    static = KimiK3StaticCache(text, batch_size=1, max_length=64, cuda_graph=False)
+    mask, positions = static.prepare(None, 1, 1, "cpu")
+    static.seen_tokens = 1
+    attn(x, mask, static, positions + 9)
+    growing = KimiK3Cache(text)
+    growing.layers[3].update(torch.randn(1, 9, text.kv_lora_rank + text.qk_rope_head_dim).to(torch.bfloat16),
+                             torch.arange(9))
+    growing.seen_tokens = 9
+    attn(x, None, growing)
+    attn(x, torch.ones(1, 10, dtype=torch.long), growing)
 
 
 def test_every_launched_kernel_is_recorded(recorded):

@@ -1,5 +1,6 @@
 """The Triton kernels in Triton's CPU interpreter, against float64 references: mxfp4_triton's (explicit-dequant path:
-indexing, routing blocks, SiTU and the per-token sum on the same packs) and fused_triton's depth mix and short convs. Needs `triton`
+indexing, routing blocks, SiTU and the per-token sum on the same packs) and fused_triton's depth mix, short convs and
+latent attention. Needs `triton`
 installed (skipped otherwise); `tl.dot_scaled` and the speed are checked on a GPU by tests/test_gpu_paths.py."""
 
 import importlib.util
@@ -152,6 +153,37 @@ FUSED_SCRIPT = textwrap.dedent(
 )
 
 
+LATENT_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import fused_triton
+
+    def reference(q, latent, position, key_mask, scale, width):
+        keys = latent.shape[1]
+        scores = torch.einsum("bhw,bkw->bhk", q.double(), latent.double()) * scale
+        j = torch.arange(keys)
+        visible = (j <= position)[None, :].expand(q.shape[0], keys)
+        if key_mask is not None:
+            visible = visible & (key_mask[:, :keys].bool() | (j == position)[None, :])
+        probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1)
+        return torch.einsum("bhk,bkc->bhc", probs, latent[..., :width].double())
+
+    torch.manual_seed(0)
+    # (rows, heads, latent width, rope width, cached slots, the query's position, padding mask): a static cache's
+    # unfilled tail (position well before the last slot), heads not a multiple of the program's 32, many splits
+    for rows, heads, width, rope, keys, position, padded in [(2, 4, 16, 4, 40, 30, True), (1, 5, 32, 8, 7, 6, False),
+                                                             (2, 40, 64, 16, 300, 299, True),
+                                                             (1, 3, 16, 4, 1000, 3, False)]:
+        q, latent = torch.randn(rows, heads, width + rope), torch.randn(rows, keys, width + rope)
+        key_mask = torch.rand(rows, keys + 2) > 0.3 if padded else None
+        got = fused_triton.latent_attention(q, latent, torch.tensor([position]), key_mask, 0.1, width)
+        err = (got.double() - reference(q, latent, position, key_mask, 0.1, width)).abs().max().item()
+        assert got.shape == (rows, heads, width) and err < 1e-5, (rows, heads, keys, position, err)
+    print("ok")
+    """
+)
+
+
 def run_in_interpreter(script):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -170,3 +202,9 @@ def test_mxfp4_kernels_in_the_triton_interpreter():
 @needs_triton
 def test_fused_depth_mix_in_the_triton_interpreter():
     run_in_interpreter(FUSED_SCRIPT)
+
+
+@needs_triton
+def test_latent_attention_in_the_triton_interpreter():
+    """fused_triton.latent_attention (MLA's one-query attention, split over the keys) against float64."""
+    run_in_interpreter(LATENT_SCRIPT)
