@@ -52,8 +52,8 @@ PAT_STR = "|".join(
 
 NUM_RESERVED_SPECIAL_TOKENS = 256
 # Offset (id - number of ranks) -> name of the named reserved tokens; the rest are
-# `<|reserved_token_{id}|>`. 65 `<osagent_mode>` is not in SPEC §4 but is in the release's
-# `tokenizer_config.json` (as read by public K3 ports), so we name it the same way.
+# `<|reserved_token_{id}|>`. 65 `<osagent_mode>` is not in the chat format's description but is in the
+# release's `tokenizer_config.json` (as read by public K3 ports), so we name it the same way.
 SPECIAL_TOKEN_OFFSETS = {
     0: "[BOS]",
     1: "[EOS]",
@@ -520,7 +520,7 @@ def render_chat(
     the generation prompt opens the response channel. `continue_final_message` (True, or the key
     to continue, e.g. "reasoning_content") leaves the final message open after its text.
 
-    Where SPEC §4 is silent this follows encoding_k3.py: the effort message's text, and that it is
+    Where the chat format's description is silent this follows the release's encoding_k3.py: the effort message's text, and that it is
     sent whenever thinking is on (with or without tools); empty think channels; no think channel
     at all with thinking off; tool results reordered to their calls; the `tool-choice` and
     `response-format` directives; and the `name` attribute of user/system/assistant messages.
