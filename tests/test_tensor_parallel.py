@@ -42,7 +42,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    """The one-process load of the checkpoint (fp32): the model, its logits and greedy tokens."""
+    """The one-process load of the checkpoint (fp32): the model, its logits, greedy tokens (default and static cache)
+    and the static cache's KDA state shapes."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.float32)
     return model, *run(model)
 
@@ -63,7 +64,7 @@ def plan_shapes(config, rank, size):
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_torchrun_load_matches_one_process(checkpoint, reference, tmp_path, size):
-    model, logits, tokens = reference
+    model, logits, tokens, static, states = reference
     out = tmp_path / "out.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size), "--master-addr",
                "127.0.0.1", "--master-port", str(free_port()), WORKER, checkpoint, str(out)]
@@ -75,11 +76,13 @@ def test_torchrun_load_matches_one_process(checkpoint, reference, tmp_path, size
     # ~1e-7 of the logits' ~0.5 scale, which atol covers for logits near zero, where rtol alone bounds nothing.
     torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-6)
     assert torch.equal(result["tokens"], tokens) and tokens.shape == (1, len(PROMPT[0]) + NEW_TOKENS)
+    assert torch.equal(result["static_tokens"], static) and torch.equal(static, tokens)
     assert len(result["ranks"]) == size
     whole = moe_layers(model)
     assert sorted(whole) == [1, 2]
     for rank, got in enumerate(result["ranks"]):
         assert got["shapes"] == plan_shapes(model.config, rank, size)
+        assert got["states"] == [(b, h // size, k, v) for b, h, k, v in states], "a rank's cache holds its heads"
         for i, layer in whole.items():
             per_rank = len(layer["experts"]) // size
             assert got["moe"][i]["first"] == rank * per_rank

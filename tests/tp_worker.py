@@ -42,13 +42,18 @@ def moe_layers(model):
 
 
 def run(model):
-    """The forward's logits on PROMPT and the greedy tokens after it (exactly NEW_TOKENS: the tiny model may say
-    end-of-sequence anywhere)."""
+    """The forward's logits on PROMPT, the greedy tokens after it (exactly NEW_TOKENS: the tiny model may say
+    end-of-sequence anywhere) with the default cache and with a static one, and the static cache's KDA state
+    shapes (the heads a rank holds)."""
     ids = torch.tensor(PROMPT)
+    cache = model.make_static_cache(1, ids.shape[1] + NEW_TOKENS)
     with torch.no_grad():
         logits = model(ids).logits
         tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-    return logits, tokens
+        static = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                cache=cache)
+    states = [tuple(layer.recurrent_state.shape) for layer in cache.layers if hasattr(layer, "recurrent_state")]
+    return logits, tokens, static, states
 
 
 def main(directory, out):
@@ -57,12 +62,12 @@ def main(directory, out):
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, tp_plan="auto",
                                                  dtype=torch.float32)
-    logits, tokens = run(model)
+    logits, tokens, static, states = run(model)
     ranks = [None] * dist.get_world_size()
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    dist.all_gather_object(ranks, {"moe": moe_layers(model), "shapes": shapes})
+    dist.all_gather_object(ranks, {"moe": moe_layers(model), "shapes": shapes, "states": states})
     if dist.get_rank() == 0:
-        torch.save({"logits": logits, "tokens": tokens, "ranks": ranks}, out)
+        torch.save({"logits": logits, "tokens": tokens, "static_tokens": static, "ranks": ranks}, out)
     dist.destroy_process_group()
 
 
