@@ -708,11 +708,17 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
 
     # -- decoding -----------------------------------------------------------------------------
 
-    def _kept_ids(self, ids: list[int], skip_special_tokens: bool) -> list[int]:
+    def _valid_ids(self, ids: list[int]) -> list[int]:
+        """The ids as ints; an error naming any outside the vocabulary."""
         ids = [int(token_id) for token_id in ids]
         bad = [token_id for token_id in ids if not 0 <= token_id < self.vocab_size]
         if bad:
             raise ValueError(f"token ids outside the vocabulary (0..{self.vocab_size - 1}): {bad[:8]}")
+        return ids
+
+    def _kept_ids(self, ids: list[int], skip_special_tokens: bool, valid: bool = False) -> list[int]:
+        """The ids to decode (checked unless `valid`): without the skipped specials where asked."""
+        ids = ids if valid else self._valid_ids(ids)
         return [token_id for token_id in ids if token_id not in self._skipped_ids] if skip_special_tokens else ids
 
     def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
@@ -731,8 +737,9 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         return data.decode("utf-8", errors="replace")
 
     def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs) -> str:
-        ids = self._kept_ids([token_ids] if isinstance(token_ids, int) else token_ids, False)
-        text = self._model.decode_bytes(self._kept_ids(ids, skip_special_tokens)).decode("utf-8", errors="replace")
+        ids = self._valid_ids([token_ids] if isinstance(token_ids, int) else token_ids)  # what the text carries
+        kept = self._kept_ids(ids, skip_special_tokens, valid=True)
+        text = self._model.decode_bytes(kept).decode("utf-8", errors="replace")
         if (
             clean_up_tokenization_spaces
             if clean_up_tokenization_spaces is not None
