@@ -71,6 +71,13 @@ class FastPaths:
     def __str__(self):
         return ", ".join(f"{f.name}={'on' if getattr(self, f.name) else 'off'}" for f in dataclasses.fields(self))
 
+    def with_backward(self):
+        """The paths that autograd can differentiate: fla's chunked KDA kernel (where either KDA path is on) and
+        the references. The Triton experts and fused small ops, fla's recurrent kernel, side streams and graphs
+        have no backward; taken while autograd records, they would silently cut the gradient to everything
+        before them."""
+        return FastPaths(kda_prefill=self.kda or self.kda_prefill)
+
 
 def _fast_path_unsupported(path, device):
     """Why `path` cannot run for tensors on `device`, or None where it can."""
@@ -123,7 +130,8 @@ class FastPathDispatch:
         if requested != self._requested:
             self._requested, self._resolved = requested, {}
 
-    def at(self, device):
+    def resolved(self, device):
+        """The paths chosen for tensors on `device` (what the decode runner plans its graphs with)."""
         fast = self._resolved.get(device)
         if fast is None:
             if self._requested is None:
@@ -131,6 +139,12 @@ class FastPathDispatch:
             fast = self._resolved[device] = resolve_fast_paths(self._requested, device)
             logger.info(f"Kimi K3 fast paths on {device}: {fast}")
         return fast
+
+    def at(self, device):
+        """The paths a block takes for tensors on `device`: the resolved ones, or while autograd records
+        (training) only those of them with a backward."""
+        fast = self.resolved(device)
+        return fast.with_backward() if torch.is_grad_enabled() else fast
 
 
 @contextlib.contextmanager
@@ -395,8 +409,8 @@ class KimiK3DeltaAttention(nn.Module):
         (q, k, v), conv_states = self.short_convs(projected, own.conv_states, own.in_place, fast.fused)
         branch.join()
         state = own.recurrent_state
-        # fla-core's chunked kernel for prompts where kda_prefill is on, else its recurrent kernel where kda is on
-        # (decode steps and prompts alike), else the pure-torch reference
+        # fla-core's chunked kernel for prompts where kda_prefill is on (and for training: it has a backward), else
+        # its recurrent kernel where kda is on (decode steps and prompts alike), else the pure-torch reference
         kernel = "chunk" if fast.kda_prefill and length > 1 else "recurrent" if fast.kda else None
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
@@ -582,8 +596,9 @@ class KimiK3Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x):
-        if x.is_cuda and x.dtype == self.weight.dtype != torch.float32:
-            # the same fp32 products and sums straight from the stored dtype (no fp32 copy of the weight a call)
+        if x.is_cuda and x.dtype == self.weight.dtype != torch.float32 and not torch.is_grad_enabled():
+            # the same fp32 products and sums straight from the stored dtype (no fp32 copy of the weight a call;
+            # this mm has no backward, so training takes the upcast below)
             logits = torch.mm(x.reshape(-1, x.shape[-1]), self.weight.t(), out_dtype=torch.float32)
             logits = logits.view(*x.shape[:-1], -1)
         else:
@@ -1166,7 +1181,7 @@ class KimiK3DecodeGraph:
                 why = "not on a CUDA device"
             elif offloaded:
                 why = "weights offloaded by accelerate (loaded at each call)"
-            elif not model.language_model.model.dispatch.at(device).cuda_graphs:
+            elif not model.language_model.model.dispatch.resolved(device).cuda_graphs:
                 why = "the cuda_graphs fast path is off there"
             else:
                 why = None
@@ -1182,7 +1197,7 @@ class KimiK3DecodeGraph:
     def enabled(self):
         """Whether any segment is (to be) captured with the `cuda_graphs` path on on its device now."""
         dispatch = self.model.language_model.model.dispatch
-        return any(s.why_eager is None and dispatch.at(s.device).cuda_graphs for s in self.segments)
+        return any(s.why_eager is None and dispatch.resolved(s.device).cuda_graphs for s in self.segments)
 
     @property
     def captured(self):
@@ -1397,7 +1412,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                                               **kwargs)
         model.stack_experts()  # the loaded packs replaced the ones stacked at construction
         for device in {p.device for p in model.parameters()} - {torch.device("meta")}:
-            model.language_model.model.dispatch.at(device)  # resolve (and log) the fast paths once per device
+            model.language_model.model.dispatch.resolved(device)  # resolve (and log) the fast paths once per device
         cls._raise_on_key_problems(
             path, info.get("missing_keys", []), info.get("unexpected_keys", []),
             [str(m) for m in info.get("mismatched_keys", [])],

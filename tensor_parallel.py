@@ -325,7 +325,7 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, **kwar
     model.eval()
     model.tensor_parallel = tp
     model.stack_experts()
-    model.language_model.model.dispatch.at(device)  # resolve (and log) the fast paths
+    model.language_model.model.dispatch.resolved(device)  # resolve (and log) the fast paths
     _load_generation_config(model, directory)
     info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return (model, info) if wants_info else model

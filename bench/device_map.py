@@ -80,7 +80,7 @@ def main():
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, trust_remote_code=True, dtype=torch.bfloat16,
                                                      device_map=device_map)
         model.generation_config.eos_token_id = None
-        fast = str(model.language_model.model.dispatch.at(torch.device("cuda", 0)))
+        fast = str(model.language_model.model.dispatch.resolved(torch.device("cuda", 0)))
         tokens, times, segments, captured = greedy(model, prompt_ids, args.steps)
         reference = reference or tokens
         first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)

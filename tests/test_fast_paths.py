@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from configuration_kimi_k3 import FAST_PATH_DEFAULTS, KimiK3Config
 from modeling_kimi_k3 import FastPaths, resolve_fast_paths, use_fast_paths
@@ -63,6 +64,42 @@ def test_use_fast_paths_restores_the_previous_choices():
             assert dispatch.overrides == {"fused": "auto", "kda": False}
         assert dispatch.overrides == {"fused": "off", "kda": False}
     assert dispatch.overrides == {}
+
+
+def test_while_autograd_records_only_paths_with_a_backward_are_taken(monkeypatch):
+    """Training takes the references and fla's chunked KDA kernel, never a forward-only kernel: with every path
+    resolved on, a forward + backward under autograd calls no fused kernel and gives the reference's gradients."""
+    import modeling_kimi_k3 as code
+
+    every = FastPaths(**{path: True for path in FAST_PATH_DEFAULTS})
+    assert every.with_backward() == FastPaths(kda_prefill=True)
+
+    def grads(model):
+        ids = torch.tensor([[5, 17, 9, 33, 2, 8]])
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model = random_model(tiny_config(), seed=0).float()
+    reference = grads(model)
+    dispatch = model.language_model.model.dispatch
+    dispatch.refresh()
+    dispatch._resolved[torch.device("cpu")] = every  # as a CUDA device with triton and fla-core resolves "auto"
+    calls = []
+    for name in ("fused_attn_res_mix", "fused_short_conv", "fused_pair_sum_norm", "fused_router_topk",
+                 "triton_routed_experts"):
+        monkeypatch.setattr(code, name, lambda *a, _name=name, **k: calls.append(_name))
+    kernels = []
+    kda_forward = code.kda_forward
+    monkeypatch.setattr(code, "kda_forward", lambda *a, **k: kernels.append(k["kernel"]) or kda_forward(*a, **k))
+    got = grads(model)
+    assert calls == [] and set(kernels) == {"chunk"}
+    assert dispatch.at(torch.device("cpu")) == FastPaths(kda_prefill=True)
+    with torch.no_grad():
+        assert dispatch.at(torch.device("cpu")) == every
+    assert got.keys() == reference.keys() and any("q_proj" in n for n in got)
+    for name, grad in reference.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
 
 
 REMOTE = textwrap.dedent(

@@ -401,6 +401,46 @@ def test_fla_kda_matches_reference_on_the_model_activations():
     assert all(o < BF16_TOL and s < BF16_TOL for _, o, s in errors), errors
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, BF16_TOL), (torch.bfloat16, 3 * BF16_TOL)])
+def test_training_takes_only_paths_with_a_backward(dtype, tol):
+    """Under autograd with the default fast paths, a bf16-expert model's forward and backward run fla's chunked KDA
+    kernel (it has a backward) and the references for the rest: loss and gradients as with every path off (in bf16
+    the two round differently, hence the wider tolerance)."""
+    if not kda.supported(DEVICE):
+        pytest.skip("fla-core is not importable here")
+    config = tiny_config(hidden_size=128, linear_attn_config=dict(num_heads=4, head_dim=64, full_attn_layers=[3, 6],
+                                                                 kda_layers=[1, 2, 4, 5]))
+    model = random_model(config, seed=3).to(DEVICE, dtype)
+    ids = torch.randint(0, config.text_config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(DEVICE)
+    kernels = []
+    original = modeling_kimi_k3.kda_forward
+
+    def spy(*args, **kwargs):
+        kernels.append(kwargs["kernel"])
+        return original(*args, **kwargs)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    modeling_kimi_k3.kda_forward = spy
+    try:
+        loss, grads = run()
+        with use_fast_paths(model, **REFERENCE):
+            ref_loss, ref_grads = run()
+    finally:
+        modeling_kimi_k3.kda_forward = original
+    assert set(kernels) == {"chunk", None}, kernels  # fla's chunk kernel first, then the reference run
+    worst = max(((rel(grads[n], g), n) for n, g in ref_grads.items()), key=lambda t: t[0])
+    print(f"training step, fast paths vs reference: loss {loss.item():.5f} vs {ref_loss.item():.5f}; "
+          f"worst gradient {worst[1]}: {worst[0]:.2e}; {len(ref_grads)} gradients")
+    assert grads.keys() == ref_grads.keys() and any("q_proj" in n for n in grads)
+    assert abs(loss.item() - ref_loss.item()) < tol and worst[0] < tol
+
+
 @pytest.mark.parametrize("fla", [False, True])
 def test_static_cache_graph_decode_matches_eager(fla):
     if fla and not kda.supported(DEVICE):
@@ -494,7 +534,7 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
             code.triton_routed_experts, code.kda_forward, code.fused_attn_res_mix = originals[:3]
             code.SideBranch.__enter__ = originals[3]
         taken["cuda_graphs"] = int(cache.decode_graph is not None and cache.decode_graph.captured)
-        return str(model.language_model.model.dispatch.at(torch.device(DEVICE, torch.cuda.current_device()))), taken
+        return str(model.language_model.model.dispatch.resolved(torch.device(DEVICE, torch.cuda.current_device()))), taken
 
     resolved, taken = run({})
     print(f"remote-code model, defaults: {resolved}; calls {taken}")
