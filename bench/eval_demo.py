@@ -38,6 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from reap_tools.generate import cut_completion  # noqa: E402  (the rule `generate` stops completions by)
+
 DEFAULT_MODEL = ROOT / "demo" / "parent"
 SEQ_LEN = 512
 MAX_NEW_TOKENS = 64
@@ -58,18 +60,6 @@ AS_TYPED = tuple(p.rstrip("\n") for p in PROMPTS)
 # ---------------------------------------------------------------------------------------------------------------
 # Completion validity
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def cut_completion(prompt: str, completion: str, ended: bool = False) -> str:
-    """The part of prompt + completion that is judged (see the module docstring)."""
-    lines = (prompt + completion).split("\n")
-    first = prompt.rstrip("\n").count("\n") + 1  # lines after the prompt's last (non-empty) line
-    for i in range(first, len(lines)):
-        if lines[i][:1] not in ("", " ", "\t"):
-            return "\n".join(lines[:i]).rstrip() + "\n"
-    if not ended:
-        lines = lines[:-1] if len(lines) > first else lines
-    return "\n".join(lines).rstrip() + "\n"
 
 
 def completion_parses(prompt: str, completion: str, ended: bool = False) -> bool:

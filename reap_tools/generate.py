@@ -33,12 +33,64 @@ def check_length(pipe, prompt_tokens, max_new_tokens):
               file=sys.stderr)
 
 
+def block_end(prompt, text):
+    """Where the block that `prompt` opens ends in `text` (prompt + completion): the start of the first line after
+    the prompt's last line that begins at column 0 with a non-blank character (the next top-level statement), or
+    None while there is none."""
+    first = prompt.rstrip("\n").count("\n") + 1
+    offset = 0
+    for i, line in enumerate(text.split("\n")):
+        if i >= first and line[:1] not in ("", " ", "\t"):
+            return offset
+        offset += len(line) + 1
+    return None
+
+
+def cut_completion(prompt, completion, ended=False):
+    """prompt + completion up to the end of the prompt's block. Where the block has not ended and the generation did
+    not end the document (`ended`: EOS), the last, possibly unfinished, line is dropped, unless it is the prompt's
+    own line."""
+    text = prompt + completion
+    end = block_end(prompt, text)
+    if end is not None:
+        return text[:end].rstrip() + "\n"
+    lines = text.split("\n")
+    if not ended and len(lines) > prompt.rstrip("\n").count("\n") + 1:
+        lines = lines[:-1]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+class EndOfBlock:
+    """A `stopping_criteria` entry that stops a one-prompt generation once the prompt's block has ended
+    (`block_end`). The first call sees the prompt and one new token, which is how it learns the prompt's length."""
+
+    def __init__(self, tokenizer, prompt):
+        self.tokenizer, self.prompt, self.start = tokenizer, prompt, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        if self.start is None:
+            self.start = input_ids.shape[1] - 1
+        done = [block_end(self.prompt, self.prompt + self.tokenizer.decode(row[self.start:].tolist(),
+                                                                            skip_special_tokens=True)) is not None
+                for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 def complete(pipe, prompt, max_new_tokens=64, sample=False):
-    """Plain completion: the prompt followed by the generated continuation."""
+    """Plain completion: the prompt and its continuation up to the end of the block the prompt opens, where
+    generation stops. Decoding follows the checkpoint's generation_config.json (the demo's sets a repetition
+    penalty), greedy unless `sample`."""
+    from transformers import StoppingCriteriaList
+
     options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)
     check_length(pipe, len(pipe.tokenizer(prompt)["input_ids"]), max_new_tokens)
-    out = pipe(prompt, max_new_tokens=max_new_tokens, return_full_text=False, **options)
-    return prompt + out[0]["generated_text"]
+    out = pipe(prompt, max_new_tokens=max_new_tokens, return_full_text=False,
+               stopping_criteria=StoppingCriteriaList([EndOfBlock(pipe.tokenizer, prompt)]), **options)
+    text = prompt + out[0]["generated_text"]
+    end = block_end(prompt, text)
+    return text if end is None else text[:end].rstrip() + "\n"
 
 
 def chat(pipe, prompt, max_new_tokens=256, sample=True, thinking=True):

@@ -130,6 +130,24 @@ def test_cut_rule(eval_demo):
     assert eval_demo.completion_parses("class A:\n", "    def m(self):\n        return 1\n\n    def")
 
 
+def test_generation_stops_where_the_block_ends(loaded):
+    """`reap_tools generate`'s stopping criterion fires on the first token that begins a column-0 line after the
+    prompt's block, and not before."""
+    from reap_tools.generate import EndOfBlock
+
+    _, tokenizer = loaded
+    prompt, completion = "def f(n):\n", "    return n\n\n\nprint(f(2))\n"
+    ids = tokenizer.encode(prompt + completion, add_special_tokens=False)
+    start = len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert tokenizer.decode(ids[:start]) == prompt
+    stop = EndOfBlock(tokenizer, prompt)
+    fired = [bool(stop(torch.tensor([ids[:n]]), None)[0]) for n in range(start + 1, len(ids) + 1)]
+    first = fired.index(True)
+    assert not any(fired[:first]) and all(fired[first:])
+    last_line = tokenizer.decode(ids[start:start + first + 1]).split("\n")[-1]  # through the firing token
+    assert last_line and "print(f(2))".startswith(last_line)
+
+
 def test_grouped_training_moe_matches_the_stock_forward():
     """The training-only grouped expert loop (bench/train_demo.py) computes what KimiK3LatentMoE.forward does."""
     from modeling_kimi_k3 import KimiK3LatentMoE
