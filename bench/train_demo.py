@@ -5,35 +5,40 @@
     python bench/train_demo.py package OUT --data data [--dst demo/parent]                      # CPU: release dir
     python bench/train_demo.py sync-code [demo/parent]                                          # CPU: code files
 
-The corpus comes from `bench/prepare_corpus.py` (uint16 token ids + tiktoken.model in data/). The shipped demo:
+The corpus comes from `bench/prepare_corpus.py` (uint16 token ids + tiktoken.model in data/: the stdlib and the
+Python docs, with their held-out splits) and `bench/package_corpus.py` (more training code: the sources of installed
+packages, kept apart from the held-out files). The shipped demo (issue 21):
 
-    python bench/prepare_corpus.py                                   # CPU, ~30 s; data/ is git-ignored
+    python bench/prepare_corpus.py                                   # CPU, ~50 s; data/ is git-ignored
+    python bench/package_corpus.py --max-mb 16                       # where the packages are installed (the H200's image)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-        python bench/train_demo.py train --out OUT --seconds 500 --batch 48 --moe grouped   # one H200
+        python bench/train_demo.py train --out OUT --seconds 420 --batch 64   # one H200
     python bench/train_demo.py package OUT                           # CPU -> demo/parent
     python bench/eval_demo.py                                        # CPU: held-out perplexity, completions
 
-(994 steps of 48 x 512 tokens, 24.4M tokens in 438 s, ~55.7k tokens/s, peak 72.5 GiB; OUT/train_log.json is
-copied into the demo directory.)
+(OUT/train_log.json, with the run's step count, tokens and speed, is copied into the demo directory.)
 
 Shape (`demo_config`): the parent's ratios at toy size. hidden 256, 8 layers, every 4th MLA (1-based
-full_attn_layers [4, 8]), attn_res_block_size 4 (two blocks), layer 0 dense (intermediate 1216 ~ 4.7 H), 56 routed
-experts top-4 in a latent of 128 (= H / 2) with moe_intermediate 128, 2 shared experts, KDA and MLA with 4 heads
+full_attn_layers [4, 8]), attn_res_block_size 4 (two blocks), layer 0 dense (intermediate 1216 ~ 4.7 H), 112 routed
+experts top-8 in a latent of 128 (= H / 2) with moe_intermediate 128, 2 shared experts, KDA and MLA with 4 heads
 (KDA head_dim 64; MLA nope 64 / rope 32 / v 64, q_lora 96, kv_lora 64), vocab = BPE ranks + 256 K3 specials.
+112 = 896 / 8, so the card's cut (896 -> 320) is exactly 112 -> 40.
 
 Training runs the model's own bf16-expert mode (config without quantization_config): bf16 parameters (A_log,
 dt_bias and the router bias stay fp32, as the model keeps them), fp32 master weights in a fused AdamW, one sequence
-length (512), 3/4 of each batch from Python source and 1/4 from prose. The router bias gets no gradient (noaux_tc);
+length (512), 85 % of each batch from Python source and 15 % from prose. Autograd takes fla's chunked KDA kernel
+(the model's dispatch gives training only paths with a backward). The router bias gets no gradient (noaux_tc);
 it is updated after each step by the aux-loss-free rule (bias += u * sign(mean load - expert load)). The learning
 rate warms up over 40 steps, then the step time is measured and the run is sized to `--seconds`, cosine-decaying to
 10%. `--moe grouped` swaps, for training only, the expert loop of `KimiK3LatentMoE.forward` for one padded batched
 matmul over stacked expert weights (same math, same parameters; `tests/test_demo.py` checks it against the stock
 forward); the shipped checkpoint runs the stock model code.
 
-`train` writes into OUT: config.json (bf16 experts), weights-NN.safetensors (the state dict in pieces under 15 MiB)
-and train_log.json. `package` rebuilds the model from them, saves it with save_pretrained, converts the routed
-experts to MXFP4 with `python -m reap_tools quantize` (compressed-tensors' compressor), and adds the tokenizer files
-and the remote-code files (links to the root ones, `reap_tools.remote_code.link_remote_code`, once in place).
+`train` writes into OUT: config.json (bf16 experts), weights-NN.safetensors (the state dict in pieces under 15 MiB,
+the routed experts packed as MXFP4) and train_log.json. `package` rebuilds the model from them (experts unpacked),
+saves it with save_pretrained, converts the routed experts to MXFP4 with `python -m reap_tools quantize`
+(compressed-tensors' compressor), and adds the tokenizer files and the remote-code files (links to the root ones,
+`reap_tools.remote_code.link_remote_code`, once in place).
 """
 
 from __future__ import annotations
@@ -55,22 +60,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import mxfp4  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3LatentMoE, KimiK3Router, situ_glu  # noqa: E402
+from reap_tools.quantize import EXPERT_WEIGHT  # noqa: E402
 from reap_tools.remote_code import copy_remote_code, link_remote_code  # noqa: E402
 from reap_tools.tiny import AUTO_MAP  # noqa: E402
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
 NUM_SPECIALS = 256
 SEQ_LEN = 512
-CODE_SHARE = 0.75
+CODE_SHARE = 0.85
 PART_BYTES = 15 << 20
 
 DEMO_SHAPE = dict(
     hidden_size=256,
     intermediate_size=1216,
     num_hidden_layers=8,
-    num_experts=56,
-    num_experts_per_token=4,
+    num_experts=112,
+    num_experts_per_token=8,
     num_shared_experts=2,
     moe_intermediate_size=128,
     routed_expert_hidden_size=128,
@@ -162,10 +169,13 @@ def use_moe(kind: str):
 
 
 def load_corpus(data: Path, device) -> dict[str, torch.Tensor]:
-    return {
-        name: torch.from_numpy(np.load(data / f"{name}.npy").astype(np.int64)).to(device)
-        for name in ("train_code", "train_prose", "val_code", "val_prose")
-    }
+    """The splits of `bench/prepare_corpus.py`; the train code also holds `bench/package_corpus.py`'s files where
+    that ran."""
+    arrays = {name: np.load(data / f"{name}.npy") for name in ("train_code", "train_prose", "val_code", "val_prose")}
+    packages = data / "train_code_packages.npy"
+    if packages.is_file():
+        arrays["train_code"] = np.concatenate([arrays["train_code"], np.load(packages)])
+    return {name: torch.from_numpy(a.astype(np.int64)).to(device) for name, a in arrays.items()}
 
 
 def sample_batch(corpus, batch: int, generator, seq_len=SEQ_LEN) -> torch.Tensor:
@@ -280,12 +290,21 @@ def eval_loss(model, windows, micro=16):
 
 
 def save_parts(model, out: Path):
-    """The state dict as weights-NN.safetensors files of at most PART_BYTES each (tensors in name order)."""
+    """The state dict as weights-NN.safetensors files of at most PART_BYTES each (tensors in name order), each routed
+    expert weight as its MXFP4 `weight_packed` + `weight_scale` (the release's format, a quarter of bf16's bytes:
+    what makes a run's weights small enough to bring back from the GPU machine); `package` unpacks them."""
     from safetensors.torch import save_file
 
     for old in out.glob("weights-*.safetensors"):
         old.unlink()
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if EXPERT_WEIGHT.search(name):
+            packed, scale = mxfp4.quantize_mxfp4(tensor.detach())
+            stem = name[: -len("weight")]
+            state[stem + "weight_packed"], state[stem + "weight_scale"] = packed.cpu(), scale.cpu()
+        else:
+            state[name] = tensor.detach().contiguous().cpu()
     parts, current, size = [], {}, 0
     for name in sorted(state):
         nbytes = state[name].numel() * state[name].element_size()
@@ -468,6 +487,9 @@ def cmd_package(args):
     state = {}
     for part in sorted(src.glob("weights-*.safetensors")):
         state.update(load_file(str(part)))
+    for name in [n for n in state if n.endswith(".weight_packed")]:
+        stem = name[: -len("weight_packed")]
+        state[stem + "weight"] = mxfp4.dequantize_mxfp4(state.pop(name), state.pop(stem + "weight_scale"))
     model = KimiK3ForCausalLM(config)
     for name, param in model.named_parameters():
         if not name.endswith(FP32_PARAMS):
