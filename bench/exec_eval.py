@@ -5,7 +5,7 @@
 `PROBLEMS` are 40 short functions written for this repository (not taken from any benchmark), ordered roughly from
 trivial to harder. Each prompt is a top-level `def` header line, a one-line docstring and a newline; the model's greedy
 completion is cut like `bench/eval_demo.py` judges completions (up to the first column-0 line after the prompt, else
-the last complete line; `cut_function`), and the cut function plus the problem's assert lines run in a fresh
+the last complete line; `cut_completion`), and the cut function plus the problem's assert lines run in a fresh
 `python -I` subprocess (`run_problem`): temporary working directory, stdin closed, output discarded, sockets disabled,
 CPU seconds, address space (1 GiB), file size and core dumps limited where `resource` exists, killed with its process
 group at the timeout. A problem passes iff that process exits 0. Each problem carries a reference solution, which
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from eval_demo import cut_completion  # noqa: E402
+from reap_tools.generate import cut_completion  # noqa: E402
 
 MEMORY_LIMIT = 1 << 30
 FILE_LIMIT = 1 << 20
@@ -190,11 +190,6 @@ PROBLEMS = (
 )
 
 
-def cut_function(prompt: str, completion: str, ended: bool) -> str:
-    """The function the completion defines: prompt + completion cut like eval_demo judges completions."""
-    return cut_completion(prompt, completion, ended)
-
-
 def _limit(timeout: float):
     """Resource limits for the child, set between fork and exec; nothing where `resource` is missing."""
     try:
@@ -271,11 +266,11 @@ def _complete(model, tokenizer, prompts, max_new_tokens, batch_size, generate_kw
 
 def completed_functions(model, tokenizer, problems=PROBLEMS, max_new_tokens=128, batch_size=40,
                         repetition_penalty=None) -> list[str]:
-    """The function each problem's greedy completion defines (`cut_function`); plain greedy unless the caller
+    """The function each problem's greedy completion defines (`cut_completion`); plain greedy unless the caller
     gives a repetition penalty (the model's generation_config is not consulted for one)."""
     kwargs = {} if repetition_penalty is None else {"repetition_penalty": repetition_penalty}
     texts = complete(model, tokenizer, [p.prompt for p in problems], max_new_tokens, batch_size, **kwargs)
-    return [cut_function(p.prompt, text, ended) for p, (text, ended) in zip(problems, texts)]
+    return [cut_completion(p.prompt, text, ended) for p, (text, ended) in zip(problems, texts)]
 
 
 def pass_at_1(model, tokenizer, problems=PROBLEMS, max_new_tokens=128, batch_size=40, repetition_penalty=None,

@@ -379,7 +379,8 @@ def main(argv=None):
     parser.add_argument("--parent", default=str(ROOT / "demo" / "parent"))
     parser.add_argument("--data", default=str(ROOT / "data"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "retention"))
-    parser.add_argument("--ship", default=None, help=f"copy the verified {SHIP_CUT} REAP prune here (default: no copy)")
+    parser.add_argument("--ship", default=None,
+                        help=f"copy the verified {SHIP_CUT.replace('%', '%%')} REAP prune here (default: no copy)")
     parser.add_argument("--calib-windows", type=int, default=256, help="calibration windows of 512 (train code)")
     parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows of 512 per split")
     parser.add_argument("--headers", type=int, default=50, help="held-out function headers for valid Python")

@@ -33,11 +33,16 @@ def check_length(pipe, prompt_tokens, max_new_tokens):
               file=sys.stderr)
 
 
+def _prompt_lines(prompt):
+    """How many lines the prompt fills (a final newline opens none)."""
+    return prompt.rstrip("\n").count("\n") + 1
+
+
 def block_end(prompt, text):
     """Where the block that `prompt` opens ends in `text` (prompt + completion): the start of the first line after
     the prompt's last line that begins at column 0 with a non-blank character (the next top-level statement), or
     None while there is none."""
-    first = prompt.rstrip("\n").count("\n") + 1
+    first = _prompt_lines(prompt)
     offset = 0
     for i, line in enumerate(text.split("\n")):
         if i >= first and line[:1] not in ("", " ", "\t"):
@@ -55,7 +60,7 @@ def cut_completion(prompt, completion, ended=False):
     if end is not None:
         return text[:end].rstrip() + "\n"
     lines = text.split("\n")
-    if not ended and len(lines) > prompt.rstrip("\n").count("\n") + 1:
+    if not ended and len(lines) > _prompt_lines(prompt):
         lines = lines[:-1]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -80,8 +85,7 @@ class EndOfBlock:
 
 def complete(pipe, prompt, max_new_tokens=64, sample=False):
     """Plain completion: the prompt and its continuation up to the end of the block the prompt opens, where
-    generation stops. Decoding follows the checkpoint's generation_config.json (the demo's sets a repetition
-    penalty), greedy unless `sample`."""
+    generation stops. Decoding follows the checkpoint's generation_config.json, greedy unless `sample`."""
     from transformers import StoppingCriteriaList
 
     options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)

@@ -65,8 +65,8 @@ def test_every_reference_passes_and_a_none_body_fails(exec_eval):
 
 def test_cut_function_keeps_the_function_only(exec_eval):
     completion = "    return a + b\n\n\nprint(add(1, 2))\n"
-    assert exec_eval.cut_function(ADD, completion, ended=False) == ADD + "    return a + b\n"
-    assert exec_eval.cut_function(ADD, "    return a + b\n    x = (", ended=False) == ADD + "    return a + b\n"
+    assert exec_eval.cut_completion(ADD, completion, ended=False) == ADD + "    return a + b\n"
+    assert exec_eval.cut_completion(ADD, "    return a + b\n    x = (", ended=False) == ADD + "    return a + b\n"
 
 
 def test_wilson_interval_hand_checked(exec_eval):
