@@ -46,6 +46,7 @@ saves it with save_pretrained, converts the routed experts to MXFP4 with `python
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -64,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 import mxfp4  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3LatentMoE, KimiK3Router, situ_glu  # noqa: E402
+from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3LatentMoE, KimiK3Router, use_fast_paths  # noqa: E402
 from reap_tools.quantize import EXPERT_WEIGHT  # noqa: E402
 from reap_tools.remote_code import copy_remote_code, link_remote_code  # noqa: E402
 from reap_tools.tiny import AUTO_MAP  # noqa: E402
@@ -123,12 +124,18 @@ def demo_config(num_ranks: int) -> KimiK3Config:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def grouped_moe_forward(self, x):
-    """`KimiK3LatentMoE.forward` with the per-expert loop replaced by one padded batched matmul.
+GROUP_ROWS = 16  # each expert's rows start on a multiple of 16 in the grouped buffer (what grouped GEMMs align to)
 
-    Tokens are sorted by expert and laid out as [E, capacity, L] (zeros past each expert's count), the expert
-    weights are stacked to [E, out, in], and each expert output row is weighted and summed back in fp32 exactly as
-    the stock loop does (`index_add_` of `expert(z) * weight`). Padding rows never reach the output.
+
+def grouped_moe_forward(self, x):
+    """`KimiK3LatentMoE.forward` with the per-expert loop replaced by one grouped matmul per projection.
+
+    The (token, slot) pairs are sorted by expert into a buffer where each expert's rows start on a multiple of
+    GROUP_ROWS (zero rows between), and `torch._grouped_mm` runs every expert on its own rows: w1 and w3 as one
+    [E, 2 * inner, L] stack, then w2. The buffer's size depends on the shapes only (pairs + E * GROUP_ROWS; the last
+    expert's group runs to its end over zero rows), so the host never waits for the routing and no expert's load
+    pads the others. Each pair's output is weighted and summed back in fp32 as the stock loop does (`index_add_`
+    of `expert(z) * weight`); zero rows never reach the output.
     """
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
@@ -137,21 +144,20 @@ def grouped_moe_forward(self, x):
     n, k = ids.shape
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    sorted_ids = flat_ids[order]
-    token = order // k
     counts = torch.bincount(flat_ids, minlength=self.num_experts)
-    capacity = int(counts.max())
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(n * k, device=x.device) - starts[sorted_ids]
-    buf = z.new_zeros(self.num_experts, capacity, z.shape[-1])
-    buf[sorted_ids, slot] = z[token]
-    w1 = torch.stack([e.w1.weight for e in self.experts])  # [E, I, L]
-    w3 = torch.stack([e.w3.weight for e in self.experts])
-    w2 = torch.stack([e.w2.weight for e in self.experts])  # [E, L, I]
-    first = self.experts[0]
-    act = situ_glu(torch.bmm(buf, w1.transpose(1, 2)), torch.bmm(buf, w3.transpose(1, 2)), first.beta,
-                   first.linear_beta)
-    out = torch.bmm(act, w2.transpose(1, 2))[sorted_ids, slot]
+    padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    rows = n * k + self.num_experts * GROUP_ROWS
+    ends = torch.cumsum(padded, 0)
+    shift = (ends - padded) - (torch.cumsum(counts, 0) - counts)  # padded start - packed start, per expert
+    dest = torch.arange(n * k, device=x.device) + shift[flat_ids[order]]
+    offsets = torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
+    token = order // k
+    buf = z.new_zeros(rows, z.shape[-1]).index_copy(0, dest, z[token])
+    w13 = torch.cat([torch.stack([e.w1.weight for e in self.experts]),
+                     torch.stack([e.w3.weight for e in self.experts])], dim=1)  # [E, 2 * inner, L]
+    w2 = torch.stack([e.w2.weight for e in self.experts])  # [E, L, inner]
+    act = self.experts[0].glu(torch._grouped_mm(buf, w13.transpose(1, 2), offs=offsets))
+    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)[dest]
     y = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
     y.index_add_(0, token, out.float() * weights.reshape(-1)[order, None])
     y = self.routed_expert_up_proj(self.routed_expert_norm(y.to(z.dtype)))
@@ -254,14 +260,26 @@ class Balancer:
         return worst
 
 
-def lr_at(step, total, peak, warmup=40, floor=0.1):
+def lr_at(step, total, peak, warmup=40, decay=0.25):
+    """Warmup-stable-decay: linear warmup over `warmup` steps, `peak` until the last `decay` share of `total`
+    steps, then linear to 0. The state at the start of the decay is a complete run's state mid-flight: `train
+    --resume` continues it at the peak rate (a later, longer decay), so a run can span two device calls."""
+    start = decay_start(total, decay)
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    if step < start:
+        return peak
+    return peak * (total - step) / max(1, total - start)
+
+
+def decay_start(total, decay=0.25):
+    return total - int(decay * total)
 
 
 def train_step(model, named, masters, optimizer, balancer, batch_ids, micro, lr):
+    """One optimizer step over `batch_ids` in micro-batches: bf16 gradients into the fp32 masters (one foreach
+    copy; a parameter with no gradient gets zeros), clip to norm 1, fused AdamW, masters back into the bf16
+    parameters, then the router biases' balancing update."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = 0.0
@@ -271,14 +289,18 @@ def train_step(model, named, masters, optimizer, balancer, batch_ids, micro, lr)
         loss.backward()
         total += float(loss.detach())
     with torch.no_grad():
-        for (_, p), m in zip(named, masters):
-            m.grad = None if p.grad is None else p.grad.float()
+        params = [p for _, p in named]
+        for p, m in zip(params, masters):
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])
+        for p in params:
             p.grad = None
         norm = torch.nn.utils.clip_grad_norm_(masters, 1.0)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for (_, p), m in zip(named, masters):
-            p.copy_(m)
+        torch._foreach_copy_(params, masters)
     load = balancer.step()
     return total, float(norm), load
 
@@ -355,31 +377,55 @@ def cmd_bench(args):
                                       lr=1e-3, betas=(0.9, 0.95), fused=True)
         balancer = Balancer(model)
         gen = torch.Generator().manual_seed(0)
-        for batch in map(int, args.batches.split(",")):
-            torch.cuda.reset_peak_memory_stats()
-            try:
-                times = []
-                for i in range(args.steps):
-                    ids = sample_batch(corpus, batch, gen)
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    loss, _, _ = train_step(model, named, masters, optimizer, balancer, ids, batch, 1e-3)
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                step = sorted(times[1:])[len(times[1:]) // 2]
-                row = dict(moe=kind, batch=batch, step_s=round(step, 4), tok_s=round(batch * SEQ_LEN / step),
-                           peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1), loss=round(loss, 3))
-            except torch.OutOfMemoryError:
-                row = dict(moe=kind, batch=batch, oom=True)
-                torch.cuda.empty_cache()
-            print(json.dumps(row), flush=True)
-            results.append(row)
+        with kda_paths(model, args.kda):
+            for batch in map(int, args.batches.split(",")):
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    times = []
+                    for i in range(args.steps):
+                        ids = sample_batch(corpus, batch, gen)
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        loss, _, _ = train_step(model, named, masters, optimizer, balancer, ids, batch, 1e-3)
+                        torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t0)
+                    step = sorted(times[1:])[len(times[1:]) // 2]
+                    row = dict(moe=kind, kda=args.kda, batch=batch, step_s=round(step, 4), tok_s=round(batch * SEQ_LEN / step),
+                               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1), loss=round(loss, 3))
+                except torch.OutOfMemoryError:
+                    row = dict(moe=kind, batch=batch, oom=True)
+                    torch.cuda.empty_cache()
+                print(json.dumps(row), flush=True)
+                results.append(row)
+                if args.profile and "tok_s" in row:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        train_step(model, named, masters, optimizer, balancer, sample_batch(corpus, batch, gen),
+                                   batch, 1e-3)
+                        torch.cuda.synchronize()
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
         del model, masters, optimizer
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def kda_paths(model, kda):
+    """The KDA that autograd runs through: "torch" (the reference, nothing to compile) or "fla" (fla's chunked
+    kernel, which compiles and autotunes its forward and backward on the first step: 241 s on the H200,
+    bench/results/train_demo_112/train.log, more than its speed gives back in a 10-minute run)."""
+    return use_fast_paths(model, kda="off", kda_prefill="off") if kda == "torch" else contextlib.nullcontext()
+
+
+def save_state(path: Path, model, masters, optimizer, gen, log, step, tokens, micro):
+    """Everything `train --resume` needs to continue this run (written to a temporary name, then renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(dict(model=model.state_dict(), masters=masters, optimizer=optimizer.state_dict(),
+                    generator=gen.get_state(), log=log, step=step, tokens=tokens, micro=micro), tmp)
+    os.replace(tmp, path)
 
 
 def cmd_train(args):
@@ -394,83 +440,100 @@ def cmd_train(args):
     model, named, masters, decay, no_decay = build(config, device, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     n_experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    print(f"params {n_params / 1e6:.2f}M ({n_experts / 1e6:.2f}M routed experts); moe={args.moe}; batch={args.batch}"
-          f" x {SEQ_LEN}; budget {args.seconds}s", flush=True)
+    print(f"params {n_params / 1e6:.2f}M ({n_experts / 1e6:.2f}M routed experts); moe={args.moe}; kda={args.kda}; "
+          f"batch={args.batch} x {SEQ_LEN}; budget {args.seconds}s", flush=True)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device == "cuda")
     balancer = Balancer(model, rate=args.bias_rate)
     gen = torch.Generator().manual_seed(args.seed)
     val = {name: fixed_windows(corpus[name], args.val_windows) for name in ("val_code", "val_prose")}
     config.save_pretrained(out)  # config.json, bf16 experts (no quantization_config)
     options = {k: v for k, v in vars(args).items() if k != "func"}
     log = dict(args=options, params=n_params, routed_expert_params=n_experts, seq_len=SEQ_LEN, steps=[], val=[])
+    step, tokens, micro = 0, 0, args.micro or args.batch
+    if args.resume:
+        state = torch.load(args.resume, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        for m, saved in zip(masters, state["masters"]):
+            m.copy_(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        step, tokens, micro, log = state["step"], state["tokens"], state["micro"], state["log"]
+        log.setdefault("resumed", []).append(dict(step=step, args=options))
+        print(f"resumed {args.resume} at step {step} ({tokens} tokens)", flush=True)
 
     def write_log(**extra):
         log.update(extra)
         (out / "train_log.json").write_text(json.dumps(log, indent=1))
 
     total_steps = args.max_steps or 10**9
-    step, t_train, tokens, last_save = 0, time.time(), 0, time.time()
-    calib_from = None
-    micro = args.micro or args.batch
-    while step < total_steps:
-        lr = lr_at(step, total_steps if total_steps < 10**9 else 10**6, args.lr)
-        ids = sample_batch(corpus, args.batch, gen)
-        try:
-            loss, norm, load = train_step(model, named, masters, optimizer, balancer, ids, micro, lr)
-        except torch.OutOfMemoryError:  # routing imbalance can grow the grouped expert buffers: accumulate instead
-            model.zero_grad(set_to_none=True)
-            balancer.counts = [None] * len(balancer.routers)
-            torch.cuda.empty_cache()
-            if micro == 1:
-                raise
-            micro = max(1, micro // 2)
-            print(f"out of memory at step {step + 1}: micro-batch {micro} from now on", flush=True)
-            log.setdefault("oom_at_steps", []).append(step + 1)
-            continue
-        step += 1
-        tokens += ids.numel()
-        elapsed = time.time() - t_train
-        if step == 5:
-            _sync(device)
-            calib_from = (step, time.time())
-        if step == 25 and not args.max_steps:
-            _sync(device)
-            per_step = (time.time() - calib_from[1]) / (step - calib_from[0])
-            left = args.seconds - (time.time() - started)
-            total_steps = step + max(1, int(left / per_step * 0.97))
-            print(f"step time {per_step:.3f}s -> {total_steps} steps in total", flush=True)
-            log["step_time_s"] = per_step
-            log["total_steps"] = total_steps
-        log["steps"].append(dict(step=step, loss=round(loss, 4), lr=lr, grad_norm=round(norm, 3),
-                                 max_load=round(load, 2), t=round(elapsed, 1)))
-        if step % args.log_every == 0 or step == 1:
-            print(f"step {step} loss {loss:.4f} lr {lr:.2e} gnorm {norm:.2f} max/mean load {load:.2f} "
-                  f"{tokens / elapsed:.0f} tok/s {elapsed:.0f}s mem {_peak_gib(device):.1f}G",
-                  flush=True)
-        if step % args.eval_every == 0:
-            v = {name: eval_loss(model, w) for name, w in val.items()}
-            log["val"].append(dict(step=step, **{k: round(x, 4) for k, x in v.items()}))
-            print(f"  val {v}", flush=True)
-        if time.time() - last_save > args.save_every:
-            save_parts(model, out)
-            write_log(tokens=tokens, train_seconds=time.time() - t_train, finished=False)
-            last_save = time.time()
-        if time.time() - started > args.seconds + 30:  # hard stop if the estimate was off
-            break
-    _sync(device)
-    train_seconds = time.time() - t_train
-    v = {name: eval_loss(model, w) for name, w in val.items()}
+    first, t_train, last_save, calib_from = step, time.time(), time.time(), None
+    seconds_before = log.get("train_seconds_at_state", 0.0)  # a resumed run's training time before its state
+    with kda_paths(model, args.kda):
+        while step < total_steps:
+            lr = lr_at(step, total_steps if total_steps < 10**9 else 10**6, args.lr)
+            if args.state and total_steps < 10**9 and step == decay_start(total_steps):
+                log["train_seconds_at_state"] = seconds_before + time.time() - t_train
+                save_state(Path(args.state), model, masters, optimizer, gen, log, step, tokens, micro)
+                print(f"state at the decay's start (step {step}) -> {args.state}", flush=True)
+            ids = sample_batch(corpus, args.batch, gen)
+            try:
+                loss, norm, load = train_step(model, named, masters, optimizer, balancer, ids, micro, lr)
+            except torch.OutOfMemoryError:  # a micro-batch too big for the memory left: accumulate instead
+                model.zero_grad(set_to_none=True)
+                balancer.counts = [None] * len(balancer.routers)
+                torch.cuda.empty_cache()
+                if micro == 1:
+                    raise
+                micro = max(1, micro // 2)
+                print(f"out of memory at step {step + 1}: micro-batch {micro} from now on", flush=True)
+                log.setdefault("oom_at_steps", []).append(step + 1)
+                continue
+            step += 1
+            tokens += ids.numel()
+            elapsed = time.time() - t_train
+            if step == first + 5:
+                _sync(device)
+                calib_from = (step, time.time())
+            if step == first + 25 and not args.max_steps:
+                _sync(device)
+                per_step = (time.time() - calib_from[1]) / (step - calib_from[0])
+                left = args.seconds - (time.time() - started)
+                total_steps = step + max(1, int(left / per_step * 0.97))
+                print(f"step time {per_step:.3f}s -> {total_steps} steps in total, decay from step "
+                      f"{decay_start(total_steps)}", flush=True)
+                log["step_time_s"] = per_step
+                log["total_steps"] = total_steps
+            log["steps"].append(dict(step=step, loss=round(loss, 4), lr=lr, grad_norm=round(norm, 3),
+                                     max_load=round(load, 2), t=round(elapsed, 1)))
+            if step % args.log_every == 0 or step == first + 1:
+                print(f"step {step} loss {loss:.4f} lr {lr:.2e} gnorm {norm:.2f} max/mean load {load:.2f} "
+                      f"{(step - first) * ids.numel() / elapsed:.0f} tok/s {elapsed:.0f}s mem {_peak_gib(device):.1f}G",
+                      flush=True)
+            if step % args.eval_every == 0:
+                v = {name: eval_loss(model, w) for name, w in val.items()}
+                log["val"].append(dict(step=step, **{k: round(x, 4) for k, x in v.items()}))
+                print(f"  val {v}", flush=True)
+            if time.time() - last_save > args.save_every:
+                save_parts(model, out)
+                write_log(tokens=tokens, train_seconds=time.time() - t_train, finished=False)
+                last_save = time.time()
+            if time.time() - started > args.seconds + 30:  # hard stop if the estimate was off
+                break
+        _sync(device)
+        train_seconds = time.time() - t_train
+        v = {name: eval_loss(model, w) for name, w in val.items()}
     log["val"].append(dict(step=step, **{k: round(x, 4) for k, x in v.items()}))
     recent = [s["loss"] for s in log["steps"][-20:]]
     parts = save_parts(model, out)
-    write_log(tokens=tokens, train_seconds=train_seconds, tokens_per_second=tokens / train_seconds, final_steps=step,
+    write_log(tokens=tokens, train_seconds=seconds_before + train_seconds,
+              tokens_per_second=(step - first) * args.batch * SEQ_LEN / train_seconds, final_steps=step,
               final_train_loss=sum(recent) / len(recent), final_val=v, finished=True, parts=parts,
               peak_gib=_peak_gib(device), device=torch.cuda.get_device_name() if device == "cuda" else device,
               torch=torch.__version__, wall_seconds=time.time() - started)
-    print(f"done: {step} steps, {tokens} tokens in {train_seconds:.0f}s ({tokens / train_seconds:.0f} tok/s); "
-          f"train loss (last 20) {sum(recent) / len(recent):.4f}; val {v}; {parts} weight parts", flush=True)
+    print(f"done: {step} steps, {tokens} tokens, this call {train_seconds:.0f}s ({log['tokens_per_second']:.0f} tok/s);"
+          f" train loss (last 20) {sum(recent) / len(recent):.4f}; val {v}; {parts} weight parts", flush=True)
     return 0
 
 
@@ -550,10 +613,12 @@ def main(argv=None):
     p = sub.add_parser("bench")
     p.add_argument("--data", default=str(ROOT / "data"))
     p.add_argument("--batches", default="8,16,32")
-    p.add_argument("--moe", default="stock,grouped")
+    p.add_argument("--moe", default="grouped")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--kda", choices=("torch", "fla"), default="torch")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA ops of one step per batch size")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("train")
     p.add_argument("--data", default=str(ROOT / "data"))
@@ -572,6 +637,10 @@ def main(argv=None):
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--save-every", type=float, default=150)
+    p.add_argument("--kda", choices=("torch", "fla"), default="torch", help="KDA under autograd: the torch "
+                   "reference or fla's chunked kernel")
+    p.add_argument("--state", default=None, help="write the resumable state here at the decay's start")
+    p.add_argument("--resume", default=None, help="continue from a --state file")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("package")
     p.add_argument("src", help="the OUT folder of `train`")
