@@ -12,7 +12,8 @@ window tokens 2..512 are predicted from the ones before. Printed for each split,
 * unigram oracle: the frequencies of the evaluated held-out tokens themselves (the best any unigram model can do);
 * bits per byte of the model (NLL / ln 2 over the UTF-8 bytes of the predicted tokens), tokenizer-independent.
 
-Completions: greedy decoding of `PROMPTS` (and, for comparison, of `AS_TYPED`: the same without their final newline),
+Completions: greedy decoding of `PROMPTS` (and of `AS_TYPED`: the same without their final newline, as typed and with
+token healing, which `reap_tools generate` applies: `reap_tools.generate.heal_prompt`),
 `MAX_NEW_TOKENS` new tokens each, judged with `completion_parses`: the text (prompt + completion) is cut at the end
 of the prompt's top-level statement, i.e. before the first line after the prompt that starts at column 0 with a
 non-blank character; when no such line was generated and the generation did not end the document (EOS), the last,
@@ -37,7 +38,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from exec_eval import complete  # noqa: E402
 from reap_tools.generate import cut_completion  # noqa: E402  (the rule `generate` stops completions by)
 
 DEFAULT_MODEL = ROOT / "demo" / "parent"
@@ -81,30 +84,12 @@ def load(model_dir, dtype=torch.float32):
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS):
-    """[(prompt, completion text, ended with EOS, parses)] with greedy decoding, on one CPU thread: decoding this
-    model is many tiny ops, which one thread runs fastest (2 threads on a busy 2-core machine ran ~20x slower), and
-    the thread count then cannot change the reduction order between machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _greedy(model, tokenizer, prompts, max_new_tokens)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _greedy(model, tokenizer, prompts, max_new_tokens):
-    results = []
-    eos = model.config.eos_token_id
-    for prompt in prompts:
-        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=model.config.pad_token_id)
-        new = out[0, ids.shape[1]:].tolist()
-        ended = bool(new) and new[-1] == eos
-        text = tokenizer.decode(new, skip_special_tokens=True)
-        results.append((prompt, text, ended, completion_parses(prompt, text, ended)))
-    return results
+def greedy_completions(model, tokenizer, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS, heal=False):
+    """[(prompt, completion text, ended with EOS, parses)] of greedy decoding (the checkpoint's generation_config,
+    e.g. its repetition penalty, applies), one prompt at a time on one CPU thread (`exec_eval.complete`); with
+    `heal`, token healing as `reap_tools generate` does it."""
+    texts = complete(model, tokenizer, list(prompts), max_new_tokens, batch_size=1, heal=heal)
+    return [(p, text, ended, completion_parses(p, text, ended)) for p, (text, ended) in zip(prompts, texts)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -203,10 +188,12 @@ def main(argv=None):
     print("(perplexities over the held-out tokens; unigram = train-split frequencies, add-one; oracle = unigram "
           "fitted on these held-out tokens; uniform = vocabulary size)")
     if not args.no_completions:
-        for key, prompts in (("completions", PROMPTS), ("completions_as_typed", AS_TYPED)):
-            completions = greedy_completions(model, tokenizer, prompts)
+        forms = (("completions", PROMPTS, False, "prompts ending with a newline"),
+                 ("completions_as_typed", AS_TYPED, False, "the same prompts without it"),
+                 ("completions_as_typed_healed", AS_TYPED, True, "without it, token healing (as generate runs)"))
+        for key, prompts, heal, what in forms:
+            completions = greedy_completions(model, tokenizer, prompts, heal=heal)
             result[key] = [dict(prompt=p, completion=c, ended=e, parses=ok) for p, c, e, ok in completions]
-            what = "prompts ending with a newline" if key == "completions" else "the same prompts without it"
             print(f"\ngreedy completions, {what} ({MAX_NEW_TOKENS} new tokens; judged up to the first column-0 line "
                   f"after the prompt, else the last complete line)")
             for p, c, e, ok in completions:

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from reap_tools.generate import cut_completion  # noqa: E402
+from reap_tools.generate import StartsWith, cut_completion, heal_prompt  # noqa: E402
 
 MEMORY_LIMIT = 1 << 30
 FILE_LIMIT = 1 << 20
@@ -235,32 +235,40 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @torch.no_grad()
-def complete(model, tokenizer, prompts, max_new_tokens: int, batch_size: int, **generate_kwargs):
+def complete(model, tokenizer, prompts, max_new_tokens: int, batch_size: int, heal=False, **generate_kwargs):
     """[(completion text, ended with EOS)] of greedy decoding, the prompts left-padded into batches, on one CPU
     thread (as eval_demo.greedy_completions: decode steps are tiny ops, and two threads on a busy 2-core machine ran
-    the 40 problems >20x slower than one)."""
+    the 40 problems >20x slower than one). With `heal`, each prompt's last token is regenerated (token healing,
+    `reap_tools.generate.heal_prompt`, as `reap_tools generate` does); the text returned still follows the prompt."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _complete(model, tokenizer, prompts, max_new_tokens, batch_size, generate_kwargs)
+        return _complete(model, tokenizer, prompts, max_new_tokens, batch_size, heal, generate_kwargs)
     finally:
         torch.set_num_threads(threads)
 
 
-def _complete(model, tokenizer, prompts, max_new_tokens, batch_size, generate_kwargs):
+def _complete(model, tokenizer, prompts, max_new_tokens, batch_size, heal, generate_kwargs):
+    from transformers import LogitsProcessorList
+
     eos, pad = model.config.eos_token_id, model.config.pad_token_id
     out = []
     for start in range(0, len(prompts), batch_size):
-        batch = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[start : start + batch_size]]
+        pairs = [heal_prompt(tokenizer, p) if heal else (p, "") for p in prompts[start : start + batch_size]]
+        batch = [tokenizer.encode(head, add_special_tokens=False) for head, _ in pairs]
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
         mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        kwargs = dict(generate_kwargs)
+        if any(tail for _, tail in pairs):
+            kwargs["logits_processor"] = LogitsProcessorList([StartsWith(tokenizer, [tail for _, tail in pairs])])
         generated = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                   eos_token_id=eos, pad_token_id=pad, **generate_kwargs)
-        for row in generated[:, width:].tolist():
+                                   eos_token_id=eos, pad_token_id=pad, **kwargs)
+        for (_, tail), row in zip(pairs, generated[:, width:].tolist()):
             ended = eos in row
             row = row[: row.index(eos)] if ended else row
-            out.append((tokenizer.decode(row, skip_special_tokens=True), ended))
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            out.append((text[len(tail):] if text.startswith(tail) else text, ended))
     return out
 
 

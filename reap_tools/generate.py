@@ -10,7 +10,7 @@ import sys
 from reap_tools.cli import ArgumentParser, fail, int_at_least
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_MODEL = os.path.join(ROOT, "demo", "reap20")
+DEFAULT_MODEL = os.path.join(ROOT, "demo", "reap40")
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
 
@@ -83,17 +83,59 @@ class EndOfBlock:
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
-def complete(pipe, prompt, max_new_tokens=64, sample=False):
+def heal_prompt(tokenizer, prompt):
+    """Token healing: (the prompt less the text of its last token, that text), or (prompt, "") for a one-token
+    prompt. A prompt typed up to a boundary that the tokenizer merges across ends on a token the model rarely saw
+    there: `):` then a line break is one token, `):\n`, so a prompt that stops after `):` asks for more of the
+    header's own line. Generating from the prompt less its last token, with the first new token held to those whose
+    text starts with the removed text (`StartsWith`), lets the model pick the merged token itself."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    tail = tokenizer.decode(ids[-1:]) if len(ids) > 1 else ""
+    if not tail or not prompt.endswith(tail):
+        return prompt, ""
+    return prompt[: -len(tail)], tail
+
+
+class StartsWith:
+    """A `logits_processor` entry that holds each row's first generated token to the ids whose text starts with
+    that row's text ("" leaves the row free): token healing, `heal_prompt`. The first call sees the prompts, which
+    is how it knows the first step."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.start, self.mask = tokenizer, list(texts), None, None
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if self.start is None:
+            self.start = input_ids.shape[1]
+        if input_ids.shape[1] != self.start:
+            return scores
+        if self.mask is None:
+            pieces = [self.tokenizer.decode([i]) for i in range(scores.shape[-1])]
+            self.mask = torch.zeros(len(self.texts), scores.shape[-1], device=scores.device)
+            for row, text in enumerate(self.texts):
+                if text:
+                    self.mask[row] = torch.tensor([0.0 if piece.startswith(text) else float("-inf")
+                                                   for piece in pieces])
+        return scores + self.mask
+
+
+def complete(pipe, prompt, max_new_tokens=64, sample=False, heal=True):
     """Plain completion: the prompt and its continuation up to the end of the block the prompt opens, where
-    generation stops. Decoding follows the checkpoint's generation_config.json, greedy unless `sample`."""
-    from transformers import StoppingCriteriaList
+    generation stops; with `heal`, the prompt's last token is regenerated (`heal_prompt`). Decoding follows the
+    checkpoint's generation_config.json (the demo's: greedy with a repetition penalty), greedy unless `sample`."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
 
     options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)
     check_length(pipe, len(pipe.tokenizer(prompt)["input_ids"]), max_new_tokens)
-    out = pipe(prompt, max_new_tokens=max_new_tokens, return_full_text=False,
-               stopping_criteria=StoppingCriteriaList([EndOfBlock(pipe.tokenizer, prompt)]), **options)
-    text = prompt + out[0]["generated_text"]
-    end = block_end(prompt, text)
+    head, tail = heal_prompt(pipe.tokenizer, prompt) if heal else (prompt, "")
+    if tail:
+        options["logits_processor"] = LogitsProcessorList([StartsWith(pipe.tokenizer, [tail])])
+    out = pipe(head, max_new_tokens=max_new_tokens, return_full_text=False,
+               stopping_criteria=StoppingCriteriaList([EndOfBlock(pipe.tokenizer, head)]), **options)
+    text = head + out[0]["generated_text"]
+    end = block_end(head, text)
     return text if end is None else text[:end].rstrip() + "\n"
 
 
@@ -121,6 +163,8 @@ def main(argv=None):
     parser.add_argument("--chat", action="store_true", help="use the chat template; print reasoning and content")
     parser.add_argument("--no-thinking", action="store_true", help="with --chat: answer without the think channel")
     parser.add_argument("--sample", action="store_true", help="sample (temperature 1.0, top_p 0.95); default greedy")
+    parser.add_argument("--no-heal", action="store_true", help="complete the prompt's last token as typed (no token "
+                        "healing)")
     parser.add_argument("--device-map", default=None, help='e.g. "auto" to spread a large model over GPUs')
     args = parser.parse_args(argv)
     if args.no_thinking and not args.chat:
@@ -130,7 +174,8 @@ def main(argv=None):
     except (OSError, ValueError) as e:
         return fail("generate", e)
     if not args.chat:
-        print(complete(pipe, args.prompt, 64 if args.max_new_tokens is None else args.max_new_tokens, args.sample))
+        print(complete(pipe, args.prompt, 64 if args.max_new_tokens is None else args.max_new_tokens, args.sample,
+                       heal=not args.no_heal))
         return 0
     max_new_tokens = 256 if args.max_new_tokens is None else args.max_new_tokens
     reply = chat(pipe, args.prompt, max_new_tokens, args.sample, thinking=not args.no_thinking)

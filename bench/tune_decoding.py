@@ -1,0 +1,62 @@
+"""Choose the demo's decoding settings (its generation_config.json) on a development set of prompts (issue 21).
+
+    python bench/tune_decoding.py [--model demo/parent] [--penalties 1.0,1.1,1.2,1.3,1.5] [--json FILE]
+
+The prompts are held-out function headers that no score of this repository uses: `bench/retention.py` judges
+the first 50 distinct top-level `def ...:` headers of the held-out code, this takes the 50 after those. Each is
+completed greedily (64 new tokens) three ways, as typed (the header alone), as typed with token healing (what
+`reap_tools generate` does) and with the newline an editor adds after it, for each repetition penalty; a completion counts where `bench/eval_demo.py`'s cut rule leaves Python that
+parses. The README's five prompts are not looked at here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from eval_demo import completion_parses, load  # noqa: E402
+from exec_eval import complete, wilson_interval  # noqa: E402
+from retention import HEADER_TOKENS, function_headers  # noqa: E402
+
+SKIP, COUNT = 50, 50  # retention.py's headers, then this development set
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "demo" / "parent"))
+    parser.add_argument("--data", default=str(ROOT / "data"))
+    parser.add_argument("--penalties", default="1.0,1.1,1.2,1.3,1.5")
+    parser.add_argument("--batch-size", type=int, default=25)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    model, tokenizer = load(Path(args.model))
+    headers = function_headers(tokenizer, np.load(Path(args.data) / "val_code.npy"), SKIP + COUNT)[SKIP:]
+    if len(headers) < COUNT:
+        raise SystemExit(f"only {len(headers)} development headers after the first {SKIP}")
+    rows = []
+    for penalty in map(float, args.penalties.split(",")):
+        row = dict(repetition_penalty=penalty)
+        forms = (("as_typed", headers, False), ("as_typed_healed", headers, True),
+                 ("with_newline", [h + "\n" for h in headers], False))
+        for form, prompts, heal in forms:
+            texts = complete(model, tokenizer, prompts, HEADER_TOKENS, args.batch_size, heal=heal,
+                             repetition_penalty=penalty)
+            ok = sum(completion_parses(p, t, e) for p, (t, e) in zip(prompts, texts))
+            row[form] = dict(parses=ok, of=len(prompts), wilson_95=[round(x, 3) for x in wilson_interval(ok, len(prompts))])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(model=args.model, headers=headers, rows=rows), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
