@@ -29,7 +29,7 @@ Writes `report.json` (the calibration), `retention.json` (settings, per-item res
 comparisons, verdicts, timings), `retention.md` (the README tables and verdicts) and `retention.png` (code and prose
 perplexity against the cut with their intervals, one line per criterion) into `--out`. `--ship DIR` copies the
 64.3 % REAP prune to DIR after `reap_tools verify` has checked it bit-exact against the parent; the default is not to
-ship (nothing is written outside `--out`); demo/reap20 was made with `--ship demo/reap20`. `--quick` (one cut, one
+ship (nothing is written outside `--out`); demo/reap40 was made with `--ship demo/reap40`. `--quick` (one cut, one
 random seed, a few windows, headers and problems) smoke-tests the script end to end; its numbers mean nothing.
 Nothing here was tuned on the evaluation: the settings above were fixed before any run.
 """

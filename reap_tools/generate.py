@@ -121,7 +121,7 @@ class StartsWith:
         return scores + self.mask
 
 
-def complete(pipe, prompt, max_new_tokens=64, sample=False, heal=True):
+def complete(pipe, prompt, max_new_tokens=128, sample=False, heal=True):
     """Plain completion: the prompt and its continuation up to the end of the block the prompt opens, where
     generation stops; with `heal`, the prompt's last token is regenerated (`heal_prompt`). Decoding follows the
     checkpoint's generation_config.json (the demo's: greedy with a repetition penalty), greedy unless `sample`."""
@@ -159,7 +159,7 @@ def main(argv=None):
     parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped demo)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
-                        help="default 64 (completion) or 256 (chat)")
+                        help="default 128 (completion; it stops where the prompt's block ends) or 256 (chat)")
     parser.add_argument("--chat", action="store_true", help="use the chat template; print reasoning and content")
     parser.add_argument("--no-thinking", action="store_true", help="with --chat: answer without the think channel")
     parser.add_argument("--sample", action="store_true", help="sample (temperature 1.0, top_p 0.95); default greedy")
@@ -174,7 +174,7 @@ def main(argv=None):
     except (OSError, ValueError) as e:
         return fail("generate", e)
     if not args.chat:
-        print(complete(pipe, args.prompt, 64 if args.max_new_tokens is None else args.max_new_tokens, args.sample,
+        print(complete(pipe, args.prompt, 128 if args.max_new_tokens is None else args.max_new_tokens, args.sample,
                        heal=not args.no_heal))
         return 0
     max_new_tokens = 256 if args.max_new_tokens is None else args.max_new_tokens

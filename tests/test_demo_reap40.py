@@ -1,4 +1,4 @@
-"""The shipped REAP-20 demo (issue 6): a bit-exact prune of the trained parent, and the README's default model."""
+"""The shipped REAP-40 demo (issue 6): a bit-exact prune of the trained parent, and the README's default model."""
 
 import json
 from pathlib import Path
@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from reap_tools.verify import verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-PARENT, PRUNED = ROOT / "demo" / "parent", ROOT / "demo" / "reap20"
+PARENT, PRUNED = ROOT / "demo" / "parent", ROOT / "demo" / "reap40"
 
 
 def test_kept_experts_verify_bit_exact_against_the_parent():
@@ -17,8 +17,8 @@ def test_kept_experts_verify_bit_exact_against_the_parent():
     assert result.ok, result.errors
     selection = json.loads((PRUNED / "reap_selection.json").read_text())
     assert selection["criterion"] == "reap"
-    assert all(len(ids) == 20 for ids in selection["layers"].values())
-    assert json.loads((PRUNED / "config.json").read_text())["text_config"]["num_experts"] == 20
+    assert all(len(ids) == 40 for ids in selection["layers"].values())
+    assert json.loads((PRUNED / "config.json").read_text())["text_config"]["num_experts"] == 40
 
 
 def test_pruned_demo_is_the_generate_default_and_generates():
@@ -26,7 +26,7 @@ def test_pruned_demo_is_the_generate_default_and_generates():
 
     assert Path(DEFAULT_MODEL) == PRUNED
     model = AutoModelForCausalLM.from_pretrained(PRUNED, trust_remote_code=True)
-    assert len(model.language_model.model.layers[1].block_sparse_moe.experts) == 20
+    assert len(model.language_model.model.layers[1].block_sparse_moe.experts) == 40
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny decode ops: one thread is fastest
     try:

@@ -39,7 +39,7 @@ def pruned(tmp_path_factory):
 
 
 def checkpoints(pruned):
-    return {"demo/parent": ROOT / "demo" / "parent", "demo/reap20": ROOT / "demo" / "reap20", "pruned": pruned}
+    return {"demo/parent": ROOT / "demo" / "parent", "demo/reap40": ROOT / "demo" / "reap40", "pruned": pruned}
 
 
 def contract_problems(config: dict, names: set[str]) -> list[str]:
@@ -83,7 +83,7 @@ def contract_problems(config: dict, names: set[str]) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("name", ["demo/parent", "demo/reap20", "pruned"])
+@pytest.mark.parametrize("name", ["demo/parent", "demo/reap40", "pruned"])
 def test_checkpoint_meets_the_recorded_contract(name, pruned):
     directory = checkpoints(pruned)[name]
     assert contract_problems(read_config(directory), set(load_tensors(directory))) == []
@@ -91,7 +91,7 @@ def test_checkpoint_meets_the_recorded_contract(name, pruned):
 
 def test_root_config_meets_the_recorded_contract():
     config = read_config(ROOT)
-    names = set(load_tensors(ROOT / "demo" / "reap20"))  # the same names at toy size
+    names = set(load_tensors(ROOT / "demo" / "reap40"))  # the same names at toy size
     assert contract_problems(config, names) == []
 
 
@@ -145,7 +145,7 @@ def engine_configs():
     return {"sglang": sglang.KimiK3Config, "vllm": vllm.KimiK3Config}
 
 
-@pytest.mark.parametrize("name", ["root", "demo/reap20", "pruned"])
+@pytest.mark.parametrize("name", ["root", "demo/reap40", "pruned"])
 def test_engines_own_config_classes_read_the_checkpoint(name, pruned):
     directory = ROOT if name == "root" else checkpoints(pruned)[name]
     config = read_config(directory)

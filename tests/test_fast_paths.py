@@ -19,7 +19,7 @@ from modeling_kimi_k3 import FastPaths, resolve_fast_paths, use_fast_paths
 from reap_tools.tiny import random_model, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO = os.path.join(ROOT, "demo", "reap20")
+DEMO = os.path.join(ROOT, "demo", "reap40")
 
 
 def test_auto_on_the_cpu_is_the_reference():
@@ -140,8 +140,8 @@ REMOTE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def remote_folder(tmp_path_factory):
-    """demo/reap20 with the repository's current code, loaded from a folder as the hub would serve it."""
-    folder = tmp_path_factory.mktemp("remote") / "reap20"
+    """demo/reap40 with the repository's current code, loaded from a folder as the hub would serve it."""
+    folder = tmp_path_factory.mktemp("remote") / "reap40"
     shutil.copytree(DEMO, folder, ignore=shutil.ignore_patterns("*.py"))
     for name in os.listdir(ROOT):
         if name.endswith(".py"):

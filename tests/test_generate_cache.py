@@ -65,7 +65,7 @@ SCRIPT = textwrap.dedent(
         model(prompt[:, -1:], cache=out["cache"] if "cache" in out.keys() else out["past_key_values"], use_cache=True)
         runs["forward_twice"] = list(lengths)
 
-        demo = os.path.join({root!r}, "demo", "reap20")
+        demo = os.path.join({root!r}, "demo", "reap40")
         tok = AutoTokenizer.from_pretrained(demo, trust_remote_code=True)
         lm = AutoModelForCausalLM.from_pretrained(demo, trust_remote_code=True)
         lm.generation_config.eos_token_id = None

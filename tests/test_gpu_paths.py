@@ -488,15 +488,15 @@ def test_side_streams_change_nothing():
 
 
 def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(tmp_path):
-    """demo/reap20 with the repository's code, loaded with trust_remote_code onto the GPU: by default every path
+    """demo/reap40 with the repository's code, loaded with trust_remote_code onto the GPU: by default every path
     but fla's prefill is on; `fast_paths={path: "off"}` at load is logged and the blocks then take the reference."""
     import shutil
 
     from transformers import AutoModelForCausalLM
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    folder = tmp_path / "reap20"
-    shutil.copytree(os.path.join(root, "demo", "reap20"), folder, ignore=shutil.ignore_patterns("*.py"))
+    folder = tmp_path / "reap40"
+    shutil.copytree(os.path.join(root, "demo", "reap40"), folder, ignore=shutil.ignore_patterns("*.py"))
     for name in os.listdir(root):
         if name.endswith(".py"):
             shutil.copy(os.path.join(root, name), folder / name)

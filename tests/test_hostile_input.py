@@ -150,7 +150,7 @@ def test_missing_tiktoken_model_names_the_file_folder_and_source(tmp_path):
     folder = tmp_path / "tokenizer"
     folder.mkdir()
     for name in ("tokenizer_config.json", "tokenization_kimi_k3.py", "kimi_k3_parsing.py", "chat_template.jinja"):
-        shutil.copyfile(ROOT / "demo" / "reap20" / name, folder / name)
+        shutil.copyfile(ROOT / "demo" / "reap40" / name, folder / name)
     shutil.copyfile(ROOT / "tokenization_kimi_k3.py", folder / "tokenization_kimi_k3.py")
     with pytest.raises(Exception) as info:
         AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
@@ -266,8 +266,8 @@ def test_prune_on_a_full_disk_leaves_nothing_behind(src, tmp_path, monkeypatch, 
 
 
 def test_generate_warns_when_the_prompt_passes_max_position_embeddings(tmp_path, capsys):
-    model = tmp_path / "reap20"
-    shutil.copytree(ROOT / "demo" / "reap20", model)
+    model = tmp_path / "reap40"
+    shutil.copytree(ROOT / "demo" / "reap40", model)
     config = json.loads((model / "config.json").read_text())
     config["text_config"]["max_position_embeddings"] = 8
     (model / "config.json").write_text(json.dumps(config))

@@ -204,13 +204,13 @@ def test_budget_prune_gives_per_layer_counts_that_load_and_generate(source, tmp_
 
 def test_prune_of_the_demo_writes_the_packages_code_where_the_source_links_to_it(tmp_path):
     """demo/parent's remote code is links into this repository; the pruned checkpoint gets regular files holding
-    this package's code (never a link out of its folder), loads on its own and equals demo/reap20's logits."""
+    this package's code (never a link out of its folder), loads on its own and equals demo/reap40's logits."""
     from reap_tools.remote_code import REMOTE_CODE, ROOT
 
     demo = ROOT / "demo"
     assert all((demo / "parent" / name).is_symlink() for name in REMOTE_CODE)
-    dst = tmp_path / "reap20"
-    prune_checkpoint(demo / "parent", demo / "reap20" / "reap_selection.json", dst, progress=False)
+    dst = tmp_path / "reap40"
+    prune_checkpoint(demo / "parent", demo / "reap40" / "reap_selection.json", dst, progress=False)
     for name in REMOTE_CODE:
         assert not (dst / name).is_symlink() and (dst / name).read_bytes() == (ROOT / name).read_bytes(), name
     moved = tmp_path / "elsewhere"
@@ -218,5 +218,5 @@ def test_prune_of_the_demo_writes_the_packages_code_where_the_source_links_to_it
     ids = torch.tensor([[5, 17, 9, 33, 2]])
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(moved, trust_remote_code=True)(ids).logits
-        want = AutoModelForCausalLM.from_pretrained(demo / "reap20", trust_remote_code=True)(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(demo / "reap40", trust_remote_code=True)(ids).logits
     assert torch.equal(got, want)

@@ -22,8 +22,8 @@ REMOTE_FILES = sorted(p.name for p in ROOT.glob("*.py"))
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("save")
-    src = tmp / "reap20copy"
-    shutil.copytree(ROOT / "demo" / "reap20", src, symlinks=False)
+    src = tmp / "reap40copy"
+    shutil.copytree(ROOT / "demo" / "reap40", src, symlinks=False)
     for name in REMOTE_FILES:  # regular files from the root, as on the Hub
         (src / name).unlink(missing_ok=True)
         shutil.copyfile(ROOT / name, src / name)
