@@ -7,14 +7,14 @@
 
 The corpus comes from `bench/prepare_corpus.py` (uint16 token ids + tiktoken.model in data/: the stdlib and the
 Python docs, with their held-out splits) and `bench/package_corpus.py` (more training code: the sources of installed
-packages, kept apart from the held-out files). The recipe of issue 21's retrain (the shipped demo/parent is still
-the earlier 56-expert top-4 run; a first 112-expert run got only 293 s on the H200, 120 steps at 0.50 s a step
-of 64 x 512 tokens, peak 104 GiB, val code loss 5.22: bench/results/train_demo_112/train.log):
+packages, kept apart from the held-out files). The recipe of the shipped demo/parent (issue 21: two device calls,
+1610 steps, 52.8 M tokens; bench/results/train_demo_112/train_call{1,2}.log):
 
     python bench/prepare_corpus.py                                   # CPU, ~50 s; data/ is git-ignored
-    python bench/package_corpus.py --max-mb 16                       # where the packages are installed (the H200's image)
+    python bench/package_corpus.py --max-mb 14                       # where the packages are installed (the H200's image)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-        python bench/train_demo.py train --out OUT --seconds 420 --batch 64   # one H200
+        python bench/train_demo.py train --out OUT --seconds 455 --batch 64 --state STATE   # one H200, call 1
+    python bench/train_demo.py train --out OUT --seconds 515 --batch 64 --resume STATE      # call 2, same machine
     python bench/train_demo.py package OUT                           # CPU -> demo/parent
     python bench/eval_demo.py                                        # CPU: held-out perplexity, completions
 
@@ -28,13 +28,14 @@ experts top-8 in a latent of 128 (= H / 2) with moe_intermediate 128, 2 shared e
 
 Training runs the model's own bf16-expert mode (config without quantization_config): bf16 parameters (A_log,
 dt_bias and the router bias stay fp32, as the model keeps them), fp32 master weights in a fused AdamW, one sequence
-length (512), 85 % of each batch from Python source and 15 % from prose. Autograd takes fla's chunked KDA kernel
-(the model's dispatch gives training only paths with a backward). The router bias gets no gradient (noaux_tc);
-it is updated after each step by the aux-loss-free rule (bias += u * sign(mean load - expert load)). The learning
-rate warms up over 40 steps, then the step time is measured and the run is sized to `--seconds`, cosine-decaying to
-10%. `--moe grouped` swaps, for training only, the expert loop of `KimiK3LatentMoE.forward` for one padded batched
-matmul over stacked expert weights (same math, same parameters; `tests/test_demo.py` checks it against the stock
-forward); the shipped checkpoint runs the stock model code.
+length (512), 85 % of each batch from Python source and 15 % from prose. Autograd runs the torch KDA (`--kda
+torch`, the default) or fla's chunked kernel (`--kda fla`; the model's dispatch gives training only paths with a
+backward). The router bias gets no gradient (noaux_tc); it is updated after each step by the aux-loss-free rule
+(bias += u * sign(mean load - expert load)). The learning rate warms up over 40 steps, then the step time is
+measured and the run is sized to `--seconds`: warmup-stable-decay (`lr_at`), with `--state` saving a resumable state
+at the decay's start and `--resume` continuing it. `--moe grouped` swaps, for training only, the expert loop of
+`KimiK3LatentMoE.forward` for grouped matmuls over stacked expert weights (same math, same parameters;
+`tests/test_demo.py` checks it against the stock forward); the shipped checkpoint runs the stock model code.
 
 `train` writes into OUT: config.json (bf16 experts), weights-NN.safetensors (the state dict in pieces under 15 MiB,
 the routed experts packed as MXFP4) and train_log.json. `package` rebuilds the model from them (experts unpacked),
