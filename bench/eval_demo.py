@@ -83,7 +83,6 @@ def load(model_dir, dtype=torch.float32):
     return model, tokenizer
 
 
-@torch.no_grad()
 def greedy_completions(model, tokenizer, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS, heal=False):
     """[(prompt, completion text, ended with EOS, parses)] of greedy decoding (the checkpoint's generation_config,
     e.g. its repetition penalty, applies), one prompt at a time on one CPU thread (`exec_eval.complete`); with
