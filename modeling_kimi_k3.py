@@ -1,14 +1,14 @@
 """Kimi K3 text model (remote code): hybrid KDA / gated NoPE MLA decoder with Block Attention Residuals and LatentMoE.
 
-Reads top to bottom as the architecture does: the fast-path dispatch, side branches (CUDA streams), activations and
-norms, Block Attention Residuals, KDA, MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the
-CUDA-graph decode runner, the model and the causal-LM head. Module names follow the release checkpoint
+Reads top to bottom as the architecture does: the fast-path dispatch, activations and norms, Block Attention
+Residuals, KDA, MLA, LatentMoE with MXFP4 routed experts, the decoder layer, the cache, the runners around the layers
+(side streams, CUDA-graph decode), the model and the causal-LM head. Module names follow the release checkpoint
 (`language_model.model.layers.{i}...`) so it loads unchanged. Every block's torch code is its reference, which runs
 anywhere and is what the tests compare against. The optional fast paths (`config.fast_paths`: fla-core's KDA kernels
 in `kda.py`, the MXFP4 expert kernels in `mxfp4_triton.py`, the fused small-op kernels in `fused_triton.py`, side
-streams, CUDA graphs) are resolved once per device by `resolve_fast_paths`, and each block takes them where its
-resolved `FastPaths` say so.
-"""
+streams, CUDA graphs) are resolved once per device by `resolve_fast_paths`; a block calls a kernel in place of one
+of its reference functions where its resolved `FastPaths` say so, and runs as its side-stream variant (in the runners'
+section) where `side_streams` is on."""
 
 import contextlib
 import dataclasses
@@ -191,55 +191,6 @@ def on_input_device(kernel):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Side branches (CUDA)
-# ----------------------------------------------------------------------------------------------------------------
-
-# Where the `side_streams` path is on, work of a block that the main path does not need until its end (the MoE's
-# router and shared experts, the attention gates and query path) runs on a second CUDA stream, so it overlaps the main
-# path's chain of small kernels instead of queueing behind it; a CUDA graph captured over a decode step keeps both
-# branches. The results are the same either way: the same kernels on the same inputs.
-_side_streams = {}
-
-
-class SideBranch:
-    """`with branch:` queues its work on a second stream of x's CUDA device, after everything queued so far;
-    `branch.join()` makes the main stream wait for that work (not for side work queued after it). In place (a
-    no-op) where `enabled` is False (the side_streams path off, or not on CUDA).
-
-    No `record_stream` is needed as long as the caller joins before it returns: the branch's inputs are then still
-    referenced while it runs, and memory it allocated and the caller frees is reused by later side-stream work only
-    after a later fork, i.e. after every main-stream read queued before it.
-    """
-
-    def __init__(self, x, enabled):
-        self.main = torch.cuda.current_stream(x.device) if enabled and x.is_cuda else None
-        if self.main is not None and x.device not in _side_streams:
-            _side_streams[x.device] = torch.cuda.Stream(x.device)
-        self.side = _side_streams[x.device] if self.main is not None else None
-        self._context = None
-        self._done = None
-
-    def __enter__(self):
-        if self.side is not None:
-            self.side.wait_stream(self.main)
-            self._context = torch.cuda.stream(self.side)
-            self._context.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._context is not None:
-            self._done = torch.cuda.Event()
-            self._done.record(self.side)
-            self._context.__exit__(*exc)
-            self._context = None
-        return False
-
-    def join(self):
-        if self._done is not None:
-            self.main.wait_event(self._done)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Activations and norms
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -396,25 +347,42 @@ class KimiK3DeltaAttention(nn.Module):
         """x: [B, T, H]; attention_mask: [B, T] for these tokens (0 = padding), or None."""
         if attention_mask is not None:
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)  # padding leaves state and conv history at 0
+        fast = self.dispatch.at(x.device)
+        if fast.side_streams:
+            return kda_side_by_side(self, x, cache, fast)
+        own = self.cache_layer(cache)
+        gates = self.gate_inputs(x)
+        return self.delta_rule(x, self.qkv(x, own, fast), gates, own, fast)
+
+    def cache_layer(self, cache):
+        """This layer's share of `cache`; without one a scratch layer (zero state, dropped after the call)."""
+        return cache.layers[self.layer_idx] if cache is not None else KimiK3DeltaCacheLayer()
+
+    def gate_inputs(self, x):
+        """What the delta rule's gates are made of: the decay's low-rank input [B, T, heads, dim], beta's input
+        [B, T, heads] and the sigmoid output gate [B, T, heads, dim]."""
+        heads = (*x.shape[:2], self.num_heads, self.head_dim)
+        return self.f_b_proj(self.f_a_proj(x)).view(heads), self.b_proj(x), torch.sigmoid(self.g_proj(x)).view(heads)
+
+    def qkv(self, x, own, fast):
+        """q, k, v projected and through their short convs (histories from the cache layer `own`); returns
+        ((q, k, v), the new conv histories)."""
+        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        return self.short_convs(projected, own.conv_states, own.in_place, fast.fused)
+
+    def delta_rule(self, x, qkv, gates, own, fast):
+        """The gated delta rule over the convolved q, k, v from `own`'s recurrent state (both states written back
+        to `own`), then the gated per-head RMSNorm and the output projection."""
+        (q, k, v), conv_states = qkv
+        g_raw, beta_raw, out_gate = gates
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        fast = self.dispatch.at(x.device)
-        branch = SideBranch(x, fast.side_streams)
-        with branch:  # the gate inputs, which the short convs do not need
-            g_raw = self.f_b_proj(self.f_a_proj(x)).view(heads)
-            beta_raw = self.b_proj(x)
-            out_gate = torch.sigmoid(self.g_proj(x)).view(heads)
-        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        own = cache.layers[self.layer_idx] if cache is not None else KimiK3DeltaCacheLayer()  # no cache: a scratch one
-        (q, k, v), conv_states = self.short_convs(projected, own.conv_states, own.in_place, fast.fused)
-        branch.join()
-        state = own.recurrent_state
         # fla-core's chunked kernel for prompts where kda_prefill is on (and for training: it has a backward), else
         # its recurrent kernel where kda is on (decode steps and prompts alike), else the pure-torch reference
         kernel = "chunk" if fast.kda_prefill and length > 1 else "recurrent" if fast.kda else None
         o, state = kda_forward(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                               state, in_place=own.in_place, kernel=kernel)
+                               own.recurrent_state, in_place=own.in_place, kernel=kernel)
         own.update(conv_states, state)
         o = self.o_norm(o.to(x.dtype)) * out_gate
         return self.o_proj(o.reshape(batch, length, -1))
@@ -470,26 +438,42 @@ class KimiK3MLAttention(nn.Module):
     def forward(self, x, attention_mask=None, cache=None, positions=None):
         """x: [B, T, H]; attention_mask: [B, keys] over all cached and new tokens (0 = padding), or None;
         positions: [T] the new tokens' absolute positions (default: right after the cached ones)."""
-        batch, length, _ = x.shape
+        if positions is None:
+            positions = _next_positions(cache, x.shape[1], x.device)
         fast = self.dispatch.at(x.device)
-        branch = SideBranch(x, fast.side_streams)
-        with branch:  # the query path and the output gate, beside the latent's path through the cache
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-            q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
-            out_gate = torch.sigmoid(self.g_proj(x)) if self.use_output_gate else None
+        if fast.side_streams:
+            return mla_side_by_side(self, x, attention_mask, cache, positions, fast)
+        queries = self.queries(x)
+        return self.attend(queries, self.keys(x, cache, positions), attention_mask, positions, fast)
+
+    def queries(self, x):
+        """The per-head queries [B, heads, T, nope + rope] and the sigmoid output gate (None without one)."""
+        batch, length, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
+        return q, torch.sigmoid(self.g_proj(x)) if self.use_output_gate else None
+
+    def keys(self, x, cache, positions):
+        """The compressed latent `[kv_a_layernorm(c), k_r]` of these tokens, written to the cache; returns every
+        key these queries may see [B, keys, kv_lora_rank + rope] and whether to attend in the latent space."""
+        length = x.shape[1]
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
-        if positions is None:
-            positions = _next_positions(cache, length, x.device)
         if cache is not None:
-            latent = cache.layers[self.layer_idx].update(latent, positions)  # every key these queries may see
+            latent = cache.layers[self.layer_idx].update(latent, positions)
         # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
         # own forward, so an offloaded (meta) weight takes the expanding path.
         absorb = (latent.shape[1] > length and length <= self.ABSORB_MAX_QUERIES
                   and self.kv_b_proj.weight.device.type != "meta")
         if cache is not None and not absorb:  # a static cache's unfilled tail holds no key of these queries
             latent = latent[:, : cache.get_seq_length() + length]
-        branch.join()
+        return latent, absorb
+
+    def attend(self, queries, keys, attention_mask, positions, fast):
+        """Causal attention of `queries` (from `queries`) over `keys` (from `keys`), gated, then the output
+        projection."""
+        (q, out_gate), (latent, absorb) = queries, keys
+        batch, _, length, _ = q.shape
         if absorb and length == 1 and fast.fused:  # one pass over the keys up to the query (fused_triton)
             attn = self.attend_absorbed(q, latent, key_mask=attention_mask, position=positions)
         else:
@@ -596,14 +580,14 @@ class KimiK3Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x):
-        if x.is_cuda and x.dtype == self.weight.dtype != torch.float32 and not torch.is_grad_enabled():
-            # the same fp32 products and sums straight from the stored dtype (no fp32 copy of the weight a call;
-            # this mm has no backward, so training takes the upcast below)
+        fast = self.dispatch.at(x.device)
+        if fast.fused and x.is_cuda and x.dtype == self.weight.dtype != torch.float32:
+            # the same fp32 products and sums straight from the stored dtype: no fp32 copy of the weight a call
             logits = torch.mm(x.reshape(-1, x.shape[-1]), self.weight.t(), out_dtype=torch.float32)
             logits = logits.view(*x.shape[:-1], -1)
         else:
             logits = F.linear(x.float(), self.weight.float())
-        if logits.dim() == 2 and self.dispatch.at(logits.device).fused:
+        if logits.dim() == 2 and fast.fused:
             chosen = fused_router_topk(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
             if chosen is not None:
                 return chosen
@@ -732,17 +716,17 @@ class KimiK3LatentMoE(nn.Module):
         return self
 
     def forward(self, x):
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
+        flat = x.reshape(-1, x.shape[-1])
         fast = self.dispatch.at(x.device)
-        routing = SideBranch(flat, fast.side_streams)
-        with routing:  # the router, beside the down projection
-            ids, weights = self.gate(flat)
-        branch = SideBranch(flat, fast.side_streams)
-        with branch:  # then the shared experts, beside the routed experts
-            shared = self.shared_experts(flat)
-        z = self.routed_expert_down_proj(flat)
-        routing.join()
+        if fast.side_streams:
+            return moe_side_by_side(self, x, fast)
+        ids, weights = self.gate(flat)
+        y = self.latent_experts(self.routed_expert_down_proj(flat), ids, weights, fast)
+        return (y + self.shared_experts(flat)).view(x.shape)
+
+    def latent_experts(self, z, ids, weights, fast):
+        """The routed half in the latent space: `up(norm(sum_k w_k expert_k(z)))` for the latents z [N, L], on the
+        MXFP4 expert kernels where the `experts` path is on (else the reference `routed_experts`)."""
         ep = self.expert_parallel  # this rank runs its experts' pairs; one all-reduce sums the latent
         if ep is not None:
             ids = ep.local_ids(ids)
@@ -752,9 +736,7 @@ class KimiK3LatentMoE(nn.Module):
             y = self.routed_expert_norm((y if ep is None else ep.sum(y)).to(z.dtype))
         else:
             y = self.normed_sum(pairs if ep is None else ep.sum_pairs(pairs, ids), z.dtype, fast.fused)
-        y = self.routed_expert_up_proj(y)
-        branch.join()
-        return (y + shared).view(shape)
+        return self.routed_expert_up_proj(y)
 
     def normed_sum(self, pairs, dtype, fused=False):
         """`routed_expert_norm` of the per-(token, slot) outputs [N, k, L] (fp32, weighted) summed over k and rounded
@@ -1128,6 +1110,94 @@ class KimiK3StaticCache(KimiK3Cache):
         super().reorder_cache(beam_idx)
         if self.mask is not None:
             self.mask.copy_(self.mask.index_select(0, beam_idx.to(self.mask.device)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runners around the layers: side streams, CUDA-graph decode
+# ----------------------------------------------------------------------------------------------------------------
+
+
+# Where the `side_streams` path is on, the KDA, MLA and MoE blocks run as the variants below instead of their
+# reference forwards: the same parts in the same order, but the work the main path does not need until later (the
+# attention gates and query path, the MoE's router and shared experts) is queued on a second CUDA stream, so it
+# overlaps the main path's chain of small kernels instead of queueing behind it; a CUDA graph captured over a decode
+# step keeps both branches. The results are the same bits: the same kernels on the same inputs.
+_side_streams = {}
+
+
+class SideBranch:
+    """`with branch:` queues its work on a second stream of x's CUDA device, after everything queued so far;
+    `branch.join()` makes the main stream wait for that work (not for side work queued after it). In place (a
+    no-op) for tensors off CUDA.
+
+    No `record_stream` is needed as long as the caller joins before it returns: the branch's inputs are then still
+    referenced while it runs, and memory it allocated and the caller frees is reused by later side-stream work only
+    after a later fork, i.e. after every main-stream read queued before it.
+    """
+
+    def __init__(self, x):
+        self.main = torch.cuda.current_stream(x.device) if x.is_cuda else None
+        if self.main is not None and x.device not in _side_streams:
+            _side_streams[x.device] = torch.cuda.Stream(x.device)
+        self.side = _side_streams[x.device] if self.main is not None else None
+        self._context = None
+        self._done = None
+
+    def __enter__(self):
+        if self.side is not None:
+            self.side.wait_stream(self.main)
+            self._context = torch.cuda.stream(self.side)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._context is not None:
+            self._done = torch.cuda.Event()
+            self._done.record(self.side)
+            self._context.__exit__(*exc)
+            self._context = None
+        return False
+
+    def join(self):
+        if self._done is not None:
+            self.main.wait_event(self._done)
+
+
+def kda_side_by_side(attn, x, cache, fast):
+    """`KimiK3DeltaAttention.forward` (after masking) with the gate inputs beside the q/k/v projections and convs."""
+    own = attn.cache_layer(cache)
+    branch = SideBranch(x)
+    with branch:
+        gates = attn.gate_inputs(x)
+    qkv = attn.qkv(x, own, fast)
+    branch.join()
+    return attn.delta_rule(x, qkv, gates, own, fast)
+
+
+def mla_side_by_side(attn, x, attention_mask, cache, positions, fast):
+    """`KimiK3MLAttention.forward` with the query path and output gate beside the latent's path through the cache."""
+    branch = SideBranch(x)
+    with branch:
+        queries = attn.queries(x)
+    keys = attn.keys(x, cache, positions)
+    branch.join()
+    return attn.attend(queries, keys, attention_mask, positions, fast)
+
+
+def moe_side_by_side(moe, x, fast):
+    """`KimiK3LatentMoE.forward` with the router beside the down projection, and the shared experts beside the
+    routed experts."""
+    flat = x.reshape(-1, x.shape[-1])
+    routing, shared_branch = SideBranch(flat), SideBranch(flat)
+    with routing:
+        ids, weights = moe.gate(flat)
+    with shared_branch:
+        shared = moe.shared_experts(flat)
+    z = moe.routed_expert_down_proj(flat)
+    routing.join()
+    y = moe.latent_experts(z, ids, weights, fast)
+    shared_branch.join()
+    return (y + shared).view(x.shape)
 
 
 def execution_device(module):

@@ -102,6 +102,40 @@ def test_while_autograd_records_only_paths_with_a_backward_are_taken(monkeypatch
         torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
 
 
+def test_side_stream_variants_are_the_reference_in_another_order(monkeypatch):
+    """With `side_streams` resolved on, every KDA, MLA and MoE block runs its side-by-side variant (the runners'
+    section); off CUDA a side branch runs in place, so a prompt and two decode steps through a cache give the
+    reference's logits bit for bit, and both caches end equal."""
+    import modeling_kimi_k3 as code
+
+    model = random_model(tiny_config(), seed=0)
+    ids = torch.tensor([[5, 17, 9, 33, 2, 8], [7, 7, 1, 30, 4, 9]])
+
+    def run():
+        cache = code.KimiK3Cache(model.config.text_config)
+        with torch.no_grad():
+            logits = [model(ids, cache=cache).logits]
+            for step in range(2):
+                logits.append(model(ids[:, step : step + 1], cache=cache).logits)
+        return logits, [t for layer in cache.layers for t in layer.tensors()]
+
+    reference, reference_cache = run()
+    calls = []
+    for name in ("kda_side_by_side", "mla_side_by_side", "moe_side_by_side"):
+        variant = getattr(code, name)
+        monkeypatch.setattr(code, name, lambda *a, _v=variant, _n=name: calls.append(_n) or _v(*a))
+    dispatch = model.language_model.model.dispatch
+    dispatch.refresh()
+    dispatch._resolved[torch.device("cpu")] = FastPaths(side_streams=True)
+    got, got_cache = run()
+    layers = model.config.text_config.layer_types
+    moe = sum(map(bool, map(model.config.text_config.experts_in_layer, range(len(layers)))))
+    assert sorted(set(calls)) == ["kda_side_by_side", "mla_side_by_side", "moe_side_by_side"]
+    assert len(calls) == 3 * (layers.count("kda") + layers.count("mla") + moe)
+    for a, b in zip(got + got_cache, reference + reference_cache, strict=True):
+        assert torch.equal(a, b)
+
+
 REMOTE = textwrap.dedent(
     """
     import json, logging, sys
