@@ -1,6 +1,6 @@
 """Split Kimi K3 output into reasoning, answer and OpenAI-style tool calls, whole or streaming.
 
-An assistant message in K3's XTML format (SPEC §4; the channel layout SGLang's `kimi_k3`
+An assistant message in K3's XTML format (the chat template's; the channel layout SGLang's `kimi_k3`
 reasoning and tool-call parsers read) is
 
     <|open|>message role="assistant"<|sep|>                      (the generation prompt ...)

@@ -1,5 +1,5 @@
 """Measure REAP saliency: run calibration data through the model and record, per MoE layer and
-routed expert, what `plan` needs (SPEC §5).
+routed expert, what `plan` needs (REAP: Lasby et al., 2025).
 
     python -m reap_tools observe --model DIR --data FILE [FILE ...] --out report.json
         [--seq-len 2048] [--batch-size 1] [--max-tokens T] [--no-pack] [--padding-side right|left]

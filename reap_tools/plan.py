@@ -23,7 +23,7 @@ per MoE layer i and expert j: count = tokens routed to j (padding excluded), rea
 those tokens of g_j(x)·||f_j(x)||₂ (g the renormalised sigmoid weight the model applies, f the
 latent expert output), ean_sum = sum of ||f_j(x)||₂, max_norm = max ||f_j(x)||₂.
 
-Scores per criterion: reap = reap_sum / count (0 where count is 0; SPEC §5), frequency = count,
+Scores per criterion: reap = reap_sum / count (0 where count is 0; the REAP score), frequency = count,
 ean = ean_sum, random = uniform draws from a generator seeded by (seed, layer). Ties go to the
 lower expert id.
 
