@@ -35,8 +35,8 @@ _INTEGER_KEYS = {
 # them once per device (`modeling_kimi_k3.resolve_fast_paths`) and logs the result in one line.
 FAST_PATH_DEFAULTS = {
     "experts": "auto",  # Triton kernels that read the MXFP4 experts' bytes (mxfp4_triton.py)
-    "kda": "auto",  # fla-core's recurrent KDA kernel (fp32 state): decode steps, and prompts unless kda_prefill
-    "kda_prefill": "off",  # fla-core's chunked KDA prefill kernel: faster, but its state has bf16-level error (kda.py)
+    "kda": "auto",  # fla-core's recurrent KDA kernel (fp32 state): decode steps, and prompts where kda_prefill is off
+    "kda_prefill": "auto",  # fla-core's chunked KDA kernel for prompts, fed fp32 (kda.py says why)
     "fused": "auto",  # Triton kernels for the depth mixes, short convs, router top-k and pair sum + norm
     "side_streams": "auto",  # a second CUDA stream for work of a block the main path does not wait on
     "cuda_graphs": "auto",  # one-token steps with a static cache replayed from a CUDA graph

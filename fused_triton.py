@@ -247,6 +247,15 @@ if triton is not None:
         tl.store(out_ptr + (b * H + h) * C + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
+# latent_attention's programs by cache size (slots, read from the buffer: a static cache's max_length): heads per
+# program, keys per inner step, warps, pipeline stages and the programs aimed at (batch x splits x head groups). The
+# fastest of a sweep on the H200 at the release's MLA shape (96 heads, 512 + 64 latent, bf16, batch 1): 0.038 ms at
+# 2,048 cached tokens and 0.179 ms at 131,072 (the previous single configuration, 32 heads, 32 keys, 8 warps, about
+# 256 programs: 0.109 and 0.371 ms; bench/results/prefill_20/).
+LATENT_CONFIGS = {"short": (32, 64, 4, 2, 1056), "long": (64, 32, 8, 3, 256)}
+LATENT_LONG_KEYS = 32768
+
+
 def latent_attention(q, latent, position, key_mask, scale, latent_width):
     """One query's attention over cached latents: `q` [B, H, C + R] (the absorbed no-position part against the
     latent's first C = `latent_width` values, then the R rope-style values), `latent` [B, keys, C + R], `position`
@@ -258,9 +267,9 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
     q, latent = q.contiguous(), latent.contiguous()
     if key_mask is not None and key_mask.stride(-1) != 1:
         key_mask = key_mask.contiguous()
-    block_h, block_n = 32, 32
+    block_h, block_n, warps, stages, programs = LATENT_CONFIGS["long" if keys >= LATENT_LONG_KEYS else "short"]
     groups = triton.cdiv(heads, block_h)
-    splits_wanted = max(1, min(128, 256 // (batch * groups)))
+    splits_wanted = max(1, programs // (batch * groups))
     split = max(block_n, triton.next_power_of_2(triton.cdiv(keys, splits_wanted)))  # a power of 2: few compiles
     splits = triton.cdiv(keys, split)
     acc = torch.empty(batch, splits, heads, latent_width, dtype=torch.float32, device=q.device)
@@ -271,7 +280,7 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
         q, latent, valid, position, acc, ml, heads, latent_width, rope, splits, q.stride(0),
         latent.stride(0), valid.stride(0) if key_mask is not None else 0, float(scale), SPLIT=split, BLOCK_H=block_h,
         BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, HAS_VALID=key_mask is not None,
-        IEEE=q.dtype == torch.float32, num_warps=8 if block_c >= 256 else 4)
+        IEEE=q.dtype == torch.float32, num_warps=warps if block_c >= 256 else 4, num_stages=stages)
     out = torch.empty(batch, heads, latent_width, dtype=q.dtype, device=q.device)
     combine_c = min(block_c, 64)
     _latent_attention_combine_kernel[(batch, heads, triton.cdiv(latent_width, combine_c))](

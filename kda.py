@@ -99,13 +99,15 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
 # ------------------------------------------------------------------------------------------------------------------
 
 # fla-core's kernels are used where the model's fast paths say so (`kernel=` here). Its recurrent kernel keeps the
-# state in fp32, token by token: it runs the decode steps and, by default, prefill too (the `kda` path). Its chunked
-# kernel (`kda_prefill`, opt-in) is 2-7x faster at prefill but leaves a state with bf16-level error: on the release's
-# shapes against a float64 recomputation (bench/kda_parity.py, H200), chunk state 3.0e-3 and output 4.1e-3 (bf16
-# rounding of the output alone: 1.7e-3), recurrent state 9e-8 and output 1.7e-3, the torch reference state 2.5e-6;
-# prompt of 8192 tokens: chunk 4.9 ms, recurrent 31 ms, reference 211 ms. The chunk kernel's state error is what made
-# a small model's greedy tokens stray (the reference's argmax at 81-88 % of steps, against 97 % otherwise); its gate
-# is the model's (fla's `kda_gate` computes lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) in fp32).
+# state in fp32, token by token: it runs the decode steps. Its chunked kernel runs prompts (`kda_prefill`). That
+# kernel casts its intermediates (the WY factors w and u, the chunk states) to its inputs' dtype for its matmuls, so
+# with the model's bf16 q, k, v each chunk's state picks up bf16 rounding: against a float64 recomputation on the
+# release's head shape (96 x 128, H200), state 3.3e-3 and output 4.1e-3, where rounding the true output to bf16
+# alone gives 1.7e-3; that made the small GPU test model's greedy tokens stray (the reference's argmax at 83 % of
+# 64 steps after a 10-token prompt). Fed fp32 q, k, v the same kernel gives state 1.1e-3 and output 1.8e-3, and
+# 98 % agreement, as the recurrent kernel and the reference give (bench/results/prefill_20/). The gate was never the
+# cause: fla's in-kernel gate is the model's (lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) in fp32), and an
+# fp32 gate input alone changes nothing. So prompts go through the chunked kernel in fp32.
 
 _fla = None
 
@@ -154,7 +156,9 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
     if kernel not in ("recurrent", "chunk"):
         raise ValueError(f"kda_forward: kernel must be 'recurrent', 'chunk' or None, got {kernel!r}")
     fla_chunk, fla_recurrent = kernels
-    dtype = v.dtype
+    # the chunked kernel runs its matmuls in its inputs' dtype, the WY factors and the state included: fp32 inputs
+    # keep its error at the bf16 rounding of the output (see the notes above `_load`)
+    dtype = torch.float32 if kernel == "chunk" else v.dtype
     q, k, g_raw, beta_raw = (t.to(dtype).contiguous() for t in (q, k, g_raw, beta_raw))
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
@@ -174,7 +178,7 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
         o, state = fla_recurrent(q, k, v.contiguous(), g_raw, beta_raw, inplace_final_state=in_place, **common)
     else:
         safe = safe_gate and lower_bound is not None and -5 <= lower_bound < 0
-        o, state = fla_chunk(q, k, v.contiguous(), g_raw, beta_raw, safe_gate=safe, **common)
+        o, state = fla_chunk(q, k, v.to(dtype).contiguous(), g_raw, beta_raw, safe_gate=safe, **common)
     return o, state
 
 

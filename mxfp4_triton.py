@@ -55,6 +55,10 @@ CONFIGS = {
 }
 # Pairs per expert (on average) at or below which the decode configuration is used.
 DECODE_MAX_PAIRS_PER_EXPERT = 4
+# Pairs per expert (on average) from which a prompt's experts are upcast once and run as grouped bf16 GEMMs
+# (`run_experts_upcast_once`, SM90+), and the most bf16 weights that path holds at once.
+UPCAST_ONCE_MIN_PAIRS_PER_EXPERT = 256
+UPCAST_ONCE_CHUNK_BYTES = 2 << 30
 # True: the w2 kernel adds weight * y into an fp32 [N, L] buffer atomically (one pass, order not fixed);
 # False: it stores per-pair rows and torch sums them (deterministic).
 ATOMIC_COMBINE = False
@@ -357,6 +361,53 @@ if triton is not None:
                 tl.store(y_ptr + row64[:, None] * stride_y + offs_n[None, :], out, mask=x_mask)
 
 
+    @triton.jit
+    def _bf16_bits(magnitude, sign):
+        """The 16 bits of bf16(fp32 `magnitude`) as int32, sign bit set where `sign` != 0 (so -0 stays -0)."""
+        bits = magnitude.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return tl.where(sign != 0, bits | 0x8000, bits)
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, s_ptr, out_ptr, HALF: tl.constexpr, ROWS: tl.constexpr, OUT_ROWS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """One program per (pack row, BLOCK bytes): bf16 values E2M1 * 2^(code - 127), the reference's (exact: the
+        fp32 product of a 2-bit significand and a power of two is a bf16 number), each byte's two values stored as
+        one int32 word (element 2j in the low half). Row r of a stack of experts with ROWS rows each lands in row
+        (r // ROWS) * OUT_ROWS + r % ROWS of the output, so w1 and w3 can fill the two halves of one buffer."""
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = j < HALF
+        packed = tl.load(w_ptr + row * HALF + j, mask=mask, other=0).to(tl.int32)
+        code = tl.load(s_ptr + row * (HALF // 16) + j // 16, mask=mask, other=127).to(tl.int32)
+        scale = tl.where(code == 0, 0x400000, code << 23).to(tl.float32, bitcast=True)  # code 0: 2^-127, subnormal
+        lo = _bf16_bits(_e2m1(packed & 7) * scale, packed & 8)
+        hi = _bf16_bits(_e2m1((packed >> 4) & 7) * scale, packed & 128)
+        out_row = row // ROWS * OUT_ROWS + row % ROWS
+        tl.store(out_ptr + out_row * HALF + j, lo | (hi << 16), mask=mask)
+
+    @triton.jit
+    def _weighted_scatter_kernel(out_ptr, pairs_ptr, weight_ptr, terms_ptr, L: tl.constexpr, BLOCK: tl.constexpr):
+        """terms[pairs[r]] = fp32(out[r]) * weight[pairs[r]]: one program per (row r, BLOCK columns)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < L
+        pair = tl.load(pairs_ptr + row).to(tl.int64)
+        value = tl.load(out_ptr + row * L + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(weight_ptr + pair)
+        tl.store(terms_ptr + pair * L + offs, value, mask=mask)
+
+    @triton.jit
+    def _situ_glu_kernel(h_ptr, out_ptr, INNER: tl.constexpr, BETA: tl.constexpr, LINEAR_BETA: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """One program per (row, BLOCK columns): SiTU-GLU of a row [w1 z, w3 z] (bf16, 2 * INNER) in fp32, rounded."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < INNER
+        g = tl.load(h_ptr + row * (2 * INNER) + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + row * (2 * INNER) + INNER + offs, mask=mask, other=0.0).to(tl.float32)
+        act = BETA * _tanh(g / BETA) * tl.sigmoid(g) * (LINEAR_BETA * _tanh(u / LINEAR_BETA))
+        tl.store(out_ptr + row * INNER + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
@@ -434,6 +485,72 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     return y.view(tokens, top_k, latent) if per_pair else y.view(tokens, top_k, latent).sum(1)
 
 
+def dequantize(packed, scale, out=None, out_rows=None):
+    """bf16 values of MXFP4 packs [..., R, K/2] with E8M0 codes [..., R, K/32], as `mxfp4.dequantize_unchecked`
+    computes them (bit for bit). `out` [..., out_rows, K] (a view whose rows are contiguous, e.g. one half of a
+    [E, 2 * inner, L] buffer) receives pack row r of group g at its row r of group g; default a new [..., R, K]."""
+    rows, half = packed.shape[-2:]
+    if out is None:
+        out = torch.empty(*packed.shape[:-1], 2 * half, dtype=torch.bfloat16, device=packed.device)
+    out_rows = out.shape[-2] if out_rows is None else out_rows
+    block = min(1024, triton.next_power_of_2(half))
+    _dequant_kernel[(packed.numel() // half, triton.cdiv(half, block))](
+        packed, scale, out.view(torch.int32), HALF=half, ROWS=rows, OUT_ROWS=out_rows, BLOCK=block, num_warps=4)
+    return out
+
+
+def situ_glu(h, beta, linear_beta):
+    """SiTU-GLU of rows [w1 z, w3 z] [N, 2 * inner] (the model's `situ_glu`: fp32, rounded to h's dtype)."""
+    rows, inner = h.shape[0], h.shape[1] // 2
+    out = torch.empty(rows, inner, dtype=h.dtype, device=h.device)
+    block = min(1024, triton.next_power_of_2(inner))
+    if rows:
+        _situ_glu_kernel[(rows, triton.cdiv(inner, block))](
+            h, out, INNER=inner, BETA=float(beta), LINEAR_BETA=float(linear_beta), BLOCK=block, num_warps=4)
+    return out
+
+
+def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_beta, chunk_bytes=None):
+    """The per-pair terms `weights[:, k] * expert_{ids[:, k]}(z)`, fp32 [N, k, L], for prompts: each expert's packs
+    are upcast to bf16 once per call (`dequantize`, a chunk of experts at a time, at most `chunk_bytes` of bf16
+    weights), then every expert runs on its own rows in one grouped bf16 GEMM per projection (`torch._grouped_mm`,
+    the pairs sorted by expert), the upcast's cost shared by all of an expert's tokens. The numerics are the
+    reference's (`KimiK3LatentMoE.packed_experts`): bf16 matmul outputs, SiTU-GLU in fp32, each expert's output
+    rounded to bf16 before its fp32 weighting. Pairs with id `num_experts` (another rank's) give zero terms.
+    One host read of the per-expert counts (the chunks' row ranges): not for CUDA-graph capture."""
+    tokens, top_k = ids.shape
+    latent, inner = stack.latent, stack.inner
+    chunk_bytes = UPCAST_ONCE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1).tolist()
+    x = z.to(torch.bfloat16)[order // top_k]
+    fill = torch.zeros if counts.pop() else torch.empty  # every pair is written unless some are another rank's
+    terms = fill(tokens * top_k, latent, dtype=torch.float32, device=z.device)
+    flat_weights = weights.reshape(-1).float().contiguous()
+    step = max(1, chunk_bytes // (3 * latent * inner * 2))
+    w13 = torch.empty(min(step, num_experts), 2 * inner, latent, dtype=torch.bfloat16, device=z.device)
+    w2 = torch.empty(min(step, num_experts), latent, inner, dtype=torch.bfloat16, device=z.device)
+    start = 0
+    for first in range(0, num_experts, step):
+        sizes = counts[first : first + step]
+        rows = sum(sizes)
+        if not rows:
+            continue
+        group = slice(first, first + len(sizes))
+        dequantize(stack.w1[group], stack.s1[group], w13[: len(sizes), :inner], out_rows=2 * inner)
+        dequantize(stack.w3[group], stack.s3[group], w13[: len(sizes), inner:], out_rows=2 * inner)
+        dequantize(stack.w2[group], stack.s2[group], w2[: len(sizes)])
+        ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=z.device, dtype=torch.int32)
+        h = torch._grouped_mm(x[start : start + rows], w13[: len(sizes)].transpose(1, 2), offs=ends)
+        out = torch._grouped_mm(situ_glu(h, beta, linear_beta), w2[: len(sizes)].transpose(1, 2), offs=ends)
+        block = min(1024, triton.next_power_of_2(latent))
+        _weighted_scatter_kernel[(rows, triton.cdiv(latent, block))](
+            out, order[start : start + rows], flat_weights, terms, L=latent, BLOCK=block, num_warps=4)
+        start += rows
+    return terms.view(tokens, top_k, latent)
+
+
 def routed_experts(moe, z, ids, weights):
     """The routed-expert terms of a `KimiK3LatentMoE`, fp32 [N, k, L] (weighted; the block sums them) through the
     Triton kernels, for a block whose `experts` fast path is on; None where these experts cannot take it (not
@@ -442,4 +559,14 @@ def routed_experts(moe, z, ids, weights):
     if stack is None or stack.latent % 32 or stack.inner % 32:
         return None
     expert = moe.experts[0]
+    if upcast_once_pays(ids.numel(), moe.num_experts, z.device):
+        return run_experts_upcast_once(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta)
     return run_experts(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta, per_pair=True)
+
+
+def upcast_once_pays(pairs, num_experts, device):
+    """Whether a call of `pairs` (token, expert) pairs takes `run_experts_upcast_once`: enough pairs per expert, a
+    GPU with torch's grouped GEMM (SM90+), and no CUDA graph being captured (that path reads counts on the host)."""
+    return (pairs >= UPCAST_ONCE_MIN_PAIRS_PER_EXPERT * num_experts and hasattr(torch, "_grouped_mm")
+            and torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and not torch.cuda.is_current_stream_capturing())

@@ -9,7 +9,7 @@
   * decode TPOT by context: one-token CUDA-graph steps of the KDA layer and of the MLA layer over a cache of 2048 /
     32768 / 131072 latents (a static cache sized to the context), extrapolated to 69 KDA + 24 MLA layers + LM head.
 
-    python bench/prefill.py --out bench/results/prefill_h200.json [--quick]
+    python bench/prefill.py --out bench/results/prefill_h200.json [--quick] [--baseline]
 """
 
 import argparse
@@ -25,7 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import fused_triton  # noqa: E402
 import kda  # noqa: E402
+import mxfp4_triton  # noqa: E402
 import layer as bench_layer  # noqa: E402  (bench/layer.py: layer builder, decode benchmark, floors, timers)
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from modeling_kimi_k3 import KimiK3Cache, KimiK3TextModel  # noqa: E402
@@ -79,14 +81,22 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "prefill_h200.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--baseline", action="store_true",
+                        help="the paths before issue 20's changes, for a side-by-side run: prompts through fla's "
+                             "recurrent KDA kernel, the routed experts through the fused MXFP4 kernels at every "
+                             "size, one latent-attention configuration for every cache size")
     args = parser.parse_args()
+    if args.baseline:
+        os.environ["KIMI_K3_FAST_PATHS"] = "kda_prefill=off"
+        mxfp4_triton.UPCAST_ONCE_MIN_PAIRS_PER_EXPERT = float("inf")
+        fused_triton.LATENT_CONFIGS = dict.fromkeys(("short", "long"), (32, 32, 8, 3, 256))
     if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
         kda.quick_tune(1)
     started = time.time()
     reps = 2 if args.quick else 5
     text = KimiK3Config.from_pretrained(ROOT).text_config
     ceil = bench_layer.ceilings(args.quick)
-    result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "card": CARD,
+    result = {"device": torch.cuda.get_device_name(), "baseline": args.baseline, "ceilings": ceil, "card": CARD,
               "prefill_chunk_size": KimiK3TextModel.prefill_chunk_size, "layer_prefill_tok_s": {},
               "layer_prefill_fraction_of_floor": {}, "floor": {"layer_prefill_ms": {}}, "long_prompt": {}}
 

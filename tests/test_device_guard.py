@@ -173,9 +173,8 @@ def test_an_unguarded_entry_point_is_caught(launches, monkeypatch):
     assert {name for name, current, _ in calls if current != 1} == {"_attn_res_mix_kernel"}
 
 
-def test_prompts_take_fla_recurrent_kernel_unless_kda_prefill_is_on(launches):
-    """By default (kda on, kda_prefill off) prompts and decode steps alike run fla's recurrent kernel, whose state
-    stays fp32; its chunked kernel only where kda_prefill is on (kda.py says why)."""
+def test_prompts_take_fla_recurrent_kernel_where_kda_prefill_is_off(launches):
+    """With kda on and kda_prefill off, prompts and decode steps alike run fla's recurrent kernel."""
     calls, _ = launches
     run_layers_on_second_gpu(kda_prefill="off")
     assert {name for name, _, _ in calls if name.startswith("fla_")} == {"fla_fused_recurrent_kda"}

@@ -58,6 +58,54 @@ MXFP4_SCRIPT = textwrap.dedent(
 )
 
 
+UPCAST_ONCE_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import mxfp4_triton as mt
+    from modeling_kimi_k3 import situ_glu
+    from mxfp4 import dequantize_unchecked
+    from reap_tools.tiny import random_model, tiny_config
+
+    torch.manual_seed(0)
+    # the upcast, bit for bit: every byte under every scale code from 2 (E8M0 255 is inf: nan where it meets a
+    # zero); the interpreter flushes the subnormal products of codes 0 and 1, which tests/test_gpu_paths.py covers
+    packed = torch.arange(256, dtype=torch.uint8).view(1, 1, 256).expand(2, 254, 256).contiguous()
+    codes = torch.arange(2, 256, dtype=torch.uint8).view(1, 254, 1).expand(2, 254, 16).contiguous()
+    want = torch.stack([dequantize_unchecked(packed[e], codes[e], torch.bfloat16) for e in range(2)])
+    halves = torch.zeros(2, 508, 512, dtype=torch.bfloat16)
+    mt.dequantize(packed, codes, halves[:, 254:], out_rows=508)  # the second half of a [E, 2 * rows, K] buffer
+    for got in (mt.dequantize(packed, codes), halves[:, 254:]):
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        assert bool(same.all()), int((~same).sum())
+    h = torch.randn(7, 80).to(torch.bfloat16)
+    want = situ_glu(h[:, :40], h[:, 40:], 4.0, 25.0).float()
+    diff = (mt.situ_glu(h, 4.0, 25.0).float() - want).abs()
+    assert bool((diff <= want.abs() * 2 ** -7 + 1e-6).all()), diff.max()  # a bf16 ulp (the interpreter truncates)
+    # the experts against the reference's packed experts, one chunk and chunks of 2 experts, with another rank's pairs
+    latent, inner, experts, top_k, tokens = 64, 96, 6, 3, 40
+    config = tiny_config(packed=True, routed_expert_hidden_size=latent, moe_intermediate_size=inner,
+                         num_experts=experts, num_experts_per_token=top_k)
+    moe = random_model(config, seed=1).language_model.model.layers[1].block_sparse_moe.to(torch.bfloat16)
+    with torch.no_grad():
+        for e in moe.experts:
+            for lin in (e.w1, e.w2, e.w3):
+                lin.weight_packed.copy_(torch.randint(0, 256, lin.weight_packed.shape, dtype=torch.uint8))
+                lin.weight_scale.copy_(torch.randint(112, 124, lin.weight_scale.shape, dtype=torch.uint8))
+    stack = moe.stack_experts()
+    z = torch.randn(tokens, latent).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts + 1)[:top_k] for _ in range(tokens)])  # id 6: another rank's expert
+    weights = torch.rand(tokens, top_k)
+    ref = moe.routed_experts(z, ids, weights)
+    for chunk in (None, 3 * latent * inner * 2 * 2):
+        terms = mt.run_experts_upcast_once(stack, z, ids, weights, experts, 4.0, 25.0, chunk_bytes=chunk)
+        assert terms.shape == (tokens, top_k, latent) and bool((terms[ids == experts] == 0).all())
+        err = ((terms.sum(1) - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, err  # bf16 rounding of SiTU's output, truncated by the interpreter
+    print("ok")
+    """
+)
+
+
 FUSED_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -197,6 +245,12 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @needs_triton
 def test_mxfp4_kernels_in_the_triton_interpreter():
     run_in_interpreter(MXFP4_SCRIPT)
+
+
+@needs_triton
+def test_upcast_once_experts_in_the_triton_interpreter():
+    """mxfp4_triton's prompt path: the upcast kernel bit for bit, SiTU-GLU, the grouped GEMMs over sorted pairs."""
+    run_in_interpreter(UPCAST_ONCE_SCRIPT)
 
 
 @needs_triton
