@@ -1,4 +1,4 @@
-"""Exploration (not committed): KDA chunk drift, latent attention sweep, MoE prefill upcast-once, layer profile."""
+"""Issue 20 exploration, as run on the H200 from the repository root (then named scratch_explore.py): KDA chunk drift, latent attention sweep, MoE prefill upcast-once, layer profile. Results: explore_call*.json."""
 import json
 import os
 import sys
