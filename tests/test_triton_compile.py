@@ -94,6 +94,10 @@ def recorded():
         for module, name in launched_kernels():
             patch.setattr(module, name, Recorder(name, getattr(module, name), calls))
         patch.setattr(modeling_kimi_k3, "resolve_fast_paths", every_path_unless_off)
+        # the prompt path's rule without its SM90 check, and its grouped GEMMs (torch's, not Triton's) skipped
+        patch.setattr(mxfp4_triton, "upcast_once_pays",
+                      lambda pairs, experts, device: pairs >= mxfp4_triton.UPCAST_ONCE_MIN_PAIRS_PER_EXPERT * experts)
+        patch.setattr(torch, "_grouped_mm", lambda a, b, offs: torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype))
         text = release_text_config()
         torch.manual_seed(0)
         with torch.no_grad():
@@ -121,10 +125,11 @@ def _describe(value):
 
 def record_moe(text):
     """Router top-k, the expert kernels (one token: per-pair blocks; a few: aligned decode blocks; many: prefill
-    blocks; each with the lop3 upcast and, for a layer with large scales, tl.dot_scaled) and the pair sum + norm,
+    blocks; each with the lop3 upcast and, for a layer with large scales, tl.dot_scaled; a prompt: the upcast-once
+    path's kernels) and the pair sum + norm,
     each reached from the block's own code."""
     moe = real_moe(text)
-    for tokens in (1, 3, 64):
+    for tokens in (1, 3, 64, 512):  # 512: 256 pairs an expert, the upcast-once path
         flat = torch.randn(tokens, text.hidden_size).to(torch.bfloat16)
         moe.gate(flat)  # recorded: the fused top-k (its outputs are not written)
         with use_fast_paths(moe, fused="off"):
