@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
@@ -1650,6 +1651,14 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value):
         self.language_model.lm_head = value
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        """Refuse assisted decoding up front: it rolls the cache back past rejected draft tokens, which a recurrent
+        KDA state cannot do (transformers up to 5.24 refused it for stateful models; 5.25 no longer does)."""
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(f"assisted generation is not supported by {type(self).__name__}: its KDA layers keep a "
+                             "recurrent state that cannot be rolled back past rejected draft tokens")
+        return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     def decode_stages(self):
         """A one-token decode step as [(device, stage, offloaded)] for `KimiK3DecodeGraph`: each stage maps a tuple

@@ -23,7 +23,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 RANK_FILE = Path(__file__).resolve().parent / "fixtures" / "tiktoken.model"
 R = len(k3.load_rank_file(RANK_FILE))
-# Releases that read `response_template` (5.23, 5.24) pass chat replies through parse_response; 4.57 returns text.
+# Releases that read `response_template` (5.23 to 5.25) pass chat replies through parse_response; 4.57 returns text.
 HOOK = "response_template" in inspect.getsource(TextGenerationPipeline.postprocess)
 # A reply with all three parts, whose text spells control tokens (ordinary BPE: only the ids tell).
 REPLY = {
