@@ -3,8 +3,9 @@
 At decode every op of the model touches a few KiB, so a step's time goes to launching ~2,000 kernels rather than to
 moving bytes. Each kernel here replaces one such chain with the same fp32 math:
 
-  * `attn_res_mix`: the Block Attention Residuals depth mix `sum_j softmax_j(proj(norm(v_j))) v_j` over stacked
-    sources and the RMSNorm of the sublayer that reads it (torch: ~13 kernels; here 1, after the stack);
+  * `attn_res_mix`: the Block Attention Residuals depth mix `sum_j softmax_j(proj(norm(v_j))) v_j` over the block
+    bank (stacked once a block, see the model's `BlockBank`) and the current partial sum, and the RMSNorm of the
+    sublayer that reads it (torch: a stack and ~13 kernels; here 1);
   * `short_conv`: KDA's causal depthwise convolutions + SiLU of q, k and v with their conv histories (torch: ~15
     kernels with the concatenations and copies; here 1), writing a static cache's history buffers in place;
   * `router_topk`: the MoE router after its GEMM: sigmoid, the bias-corrected top-k, the chosen scores gathered,
@@ -43,48 +44,36 @@ def supported(device):
 if triton is not None:
 
     @triton.jit
-    def _mixed_tile(base, mask, p):
-        """sum_j p_j v_j over one [BLOCK_N, BLOCK_H] tile of sources, fp32."""
-        return tl.sum(tl.load(base, mask=mask, other=0.0).to(tl.float32) * p[:, None], axis=0)
-
-    @triton.jit
-    def _attn_res_mix_kernel(src_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, n, rows, eps, out_eps,
-                             H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
-        """One program per row (token) over its n sources [n, rows, H]: each source's sum of squares and dot with
-        norm_w * proj_w (its score is that dot / rms); the softmax-weighted sum, rounded to the output dtype, for
-        its sum of squares; then, recomputed, its RMSNorm (weight out_w)."""
+    def _attn_res_mix_kernel(bank_ptr, last_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, rows, eps, out_eps,
+                             N: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One program per row (token) over its N sources, the first N - 1 from the stacked bank [N - 1, rows, H]
+        and the last from [rows, H], a whole source row per load (BLOCK_H >= H): first each source's score, its dot
+        with norm_w * proj_w over its rms; then, reading the same rows again (from L2: the program read them just
+        before), the softmax-weighted sum in source order, fp32, rounded to the output dtype; then its RMSNorm
+        (weight out_w). Sums over H happen once per source, not once per tile."""
         row = tl.program_id(0).to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
         offs_n = tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n
-        base = src_ptr + offs_n[:, None].to(tl.int64) * rows * H + row * H  # [BLOCK_N, 1]
-        squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        dots = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            h_mask = offs_h < H
-            v = tl.load(base + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-            w = (tl.load(norm_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-                 * tl.load(proj_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32))
-            squares += tl.sum(v * v, axis=1)
-            dots += tl.sum(v * w[None, :], axis=1)
-        scores = tl.where(n_mask, dots / tl.sqrt(squares / H + eps), float("-inf"))
+        w = (tl.load(norm_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+             * tl.load(proj_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32))
+        scores = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+        for j in range(N):
+            src = tl.where(j < N - 1, bank_ptr + (j * rows + row) * H, last_ptr + row * H)
+            v = tl.load(src + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+            score = tl.sum(v * w, axis=0) / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
+            scores = tl.where(offs_n == j, score, scores)
         p = tl.exp(scores - tl.max(scores, axis=0))
         p = p / tl.sum(p, axis=0)
-        out_sq = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            h_mask = offs_h < H
-            mixed = _mixed_tile(base + offs_h[None, :], n_mask[:, None] & h_mask[None, :], p)
-            mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
-            out_sq += mixed * mixed
-        rstd = 1.0 / tl.sqrt(tl.sum(out_sq, axis=0) / H + out_eps)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            h_mask = offs_h < H
-            mixed = _mixed_tile(base + offs_h[None, :], n_mask[:, None] & h_mask[None, :], p)
-            mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(out_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + row * H + offs_h, (mixed * rstd * w).to(out_ptr.dtype.element_ty), mask=h_mask)
+        mixed = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for j in range(N):
+            src = tl.where(j < N - 1, bank_ptr + (j * rows + row) * H, last_ptr + row * H)
+            v = tl.load(src + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+            mixed += v * tl.sum(tl.where(offs_n == j, p, 0.0), axis=0)
+        mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(mixed * mixed, axis=0) / H + out_eps)
+        out_w = tl.load(out_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * H + offs_h, (mixed * rstd * out_w).to(out_ptr.dtype.element_ty), mask=h_mask)
 
     @triton.jit
     def _short_conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr, T, D, stride_xb, stride_xt, stride_yb,
@@ -169,22 +158,65 @@ if triton is not None:
 
 
     @triton.jit
+    def _latent_split_keys(pos_ptr, NS, STEP: tl.constexpr):
+        """Keys per split: the keys up to the query's position (read from device memory) shared by the NS
+        splits, in multiples of STEP, so every context keeps all splits busy and a graph replays at any."""
+        return tl.cdiv(tl.cdiv(tl.load(pos_ptr).to(tl.int32) + 1, NS), STEP) * STEP
+
+    @triton.jit
+    def _latent_keys_step(q_c, q_r, row_keys, row_valid, n0, end, q_pos, scale, m, l, acc, C, R, offs_c, offs_r,
+                          c_mask, r_mask, BLOCK_N: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr):
+        """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1 (those from `end` on are masked: not read):
+        returns the updated running max m, sum of p l and weighted latent sum acc."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k_row = row_keys + offs_n[:, None].to(tl.int64) * (C + R)
+        k_c = tl.load(k_row + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
+        k_r = tl.load(k_row + C + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        if IEEE:
+            s = (tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
+                 + tl.dot(q_r, tl.trans(k_r), input_precision="ieee"))
+        else:
+            s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
+        valid = n_mask
+        if HAS_VALID:
+            valid = valid & ((tl.load(row_valid + offs_n, mask=n_mask, other=0) != 0) | (offs_n == q_pos))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_c.dtype), k_c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_c.dtype), k_c)
+        return m_new, l, acc
+
+    @triton.jit
     def _latent_attention_split_kernel(q_ptr, kv_ptr, valid_ptr, pos_ptr, acc_ptr, ml_ptr, H, C, R, NS,
-                                       stride_qb, stride_kb, stride_vb, scale, SPLIT: tl.constexpr,
-                                       BLOCK_H: tl.constexpr,
+                                       stride_qb, stride_kb, stride_vb, scale, BLOCK_H: tl.constexpr,
                                        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                                       HAS_VALID: tl.constexpr, IEEE: tl.constexpr):
-        """One program per (row, split of SPLIT keys, BLOCK_H heads): the online softmax of the heads' scores
-        q_c . c_j + q_r . r_j over the split's keys j <= the query's position (and, with HAS_VALID, not padding,
+                                       HAS_VALID: tl.constexpr, IEEE: tl.constexpr, STEP: tl.constexpr,
+                                       PIPELINED: tl.constexpr, PLAIN_MAX_KEYS: tl.constexpr):
+        """One program per (row, split, BLOCK_H heads): the online softmax of the heads' scores q_c . c_j +
+        q_r . r_j over the split's share of the keys j <= the query's position (and, with HAS_VALID, not padding,
         or the query's own), accumulating sum_j p_j c_j; stores that unnormalised sum, the running max and the sum
-        of p (fp32). Splits past the query's position return at once."""
+        of p (fp32). Splits wholly past the query's position return at once. Two builds share the work by the keys
+        a split walks (multiples of STEP): PIPELINED, Triton's software-pipelined loop, takes splits of more than
+        PLAIN_MAX_KEYS, the other a plain loop the rest (see LATENT_CONFIG); each returns at once on the other's."""
         b = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         q_pos = tl.load(pos_ptr).to(tl.int32)
-        start = split * SPLIT
+        keys = _latent_split_keys(pos_ptr, NS, STEP)
+        start = split * keys
         if start > q_pos:
             return
-        end = tl.minimum(start + SPLIT, q_pos + 1)
+        if PIPELINED:
+            if keys <= PLAIN_MAX_KEYS:
+                return
+        elif keys > PLAIN_MAX_KEYS:
+            return
+        end = tl.minimum(start + keys, q_pos + 1)
         offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
         offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
@@ -195,38 +227,24 @@ if triton is not None:
         m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
         l = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
-        for n0 in range(0, SPLIT, BLOCK_N):  # keys from `end` on are masked: not read
-            offs_n = start + n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            k_row = kv_ptr + b * stride_kb + offs_n[:, None].to(tl.int64) * (C + R)
-            k_c = tl.load(k_row + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
-            k_r = tl.load(k_row + C + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-            if IEEE:
-                s = (tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
-                     + tl.dot(q_r, tl.trans(k_r), input_precision="ieee"))
-            else:
-                s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
-            valid = n_mask
-            if HAS_VALID:
-                valid = valid & ((tl.load(valid_ptr + b * stride_vb + offs_n, mask=n_mask, other=0) != 0)
-                                 | (offs_n == q_pos))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k_c.dtype), k_c, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k_c.dtype), k_c)
-            m = m_new
+        row_keys, row_valid = kv_ptr + b * stride_kb, valid_ptr + b * stride_vb
+        if PIPELINED:
+            for n0 in range(start, end, BLOCK_N):
+                m, l, acc = _latent_keys_step(q_c, q_r, row_keys, row_valid, n0, end, q_pos, scale, m, l, acc, C, R,
+                                              offs_c, offs_r, c_mask, r_mask, BLOCK_N, HAS_VALID, IEEE)
+        else:  # also what Triton's interpreter runs: it has no `range` over run-time bounds
+            n0 = start
+            while n0 < end:
+                m, l, acc = _latent_keys_step(q_c, q_r, row_keys, row_valid, n0, end, q_pos, scale, m, l, acc, C, R,
+                                              offs_c, offs_r, c_mask, r_mask, BLOCK_N, HAS_VALID, IEEE)
+                n0 += BLOCK_N
         part = (b * NS + split) * H + offs_h
         tl.store(acc_ptr + part[:, None] * C + offs_c[None, :], acc, mask=h_mask[:, None] & c_mask[None, :])
         tl.store(ml_ptr + part * 2, m, mask=h_mask)
         tl.store(ml_ptr + part * 2 + 1, l, mask=h_mask)
 
     @triton.jit
-    def _latent_attention_combine_kernel(acc_ptr, ml_ptr, pos_ptr, out_ptr, H, C, SPLIT, NS,
+    def _latent_attention_combine_kernel(acc_ptr, ml_ptr, pos_ptr, out_ptr, H, C, NS, STEP: tl.constexpr,
                                          BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
         """One program per (row, head, BLOCK_C latent columns): the splits' partial sums rescaled to their common
         max and divided by the total sum of p; only the splits the query's position reached are read."""
@@ -234,7 +252,7 @@ if triton is not None:
         h = tl.program_id(1)
         offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = offs_c < C
-        active = tl.load(pos_ptr).to(tl.int32) // SPLIT + 1
+        active = tl.cdiv(tl.load(pos_ptr).to(tl.int32) + 1, _latent_split_keys(pos_ptr, NS, STEP))
         offs_s = tl.arange(0, BLOCK_S)
         s_mask = offs_s < active
         part = (b * NS + offs_s) * H + h
@@ -247,13 +265,15 @@ if triton is not None:
         tl.store(out_ptr + (b * H + h) * C + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
-# latent_attention's programs by cache size (slots, read from the buffer: a static cache's max_length): heads per
-# program, keys per inner step, warps, pipeline stages and the programs aimed at (batch x splits x head groups). The
-# fastest of a sweep on the H200 at the release's MLA shape (96 heads, 512 + 64 latent, bf16, batch 1): 0.038 ms at
-# 2,048 cached tokens and 0.179 ms at 131,072 (the previous single configuration, 32 heads, 32 keys, 8 warps, about
-# 256 programs: 0.109 and 0.371 ms; bench/results/prefill_20/).
-LATENT_CONFIGS = {"short": (32, 64, 4, 2, 1056), "long": (64, 32, 8, 3, 256)}
-LATENT_LONG_KEYS = 32768
+# latent_attention's programs: heads per program, warps, the programs aimed at (batch x splits x head groups), the
+# most keys a split walks in a plain loop, and per build (keys per inner step, pipeline stages): the plain loop for
+# short splits, the pipelined one for long (its start-up costs more than a split of one or two steps takes). The
+# fastest of a sweep on the H200 at the release's MLA shape (96 heads, 512 + 64 latent, bf16, batch 1) over one
+# static cache of 131,073 latents with the query at 2,048 / 32,768 / 131,072 (bench/results/prefill_20/
+# explore_call3.json): the plain loop alone 0.026 / 0.127 / 0.365 ms (32 keys a step), the pipelined one alone
+# 0.098 / 0.116 / 0.235 ms (64 keys, 2 stages); the kernel before (splits fixed by the cache size): 0.229 / 0.232 /
+# 0.236 ms.
+LATENT_CONFIG = dict(heads=64, warps=8, programs=256, plain_max_keys=256, plain=(32, 3), pipelined=(64, 2))
 
 
 def latent_attention(q, latent, position, key_mask, scale, latent_width):
@@ -267,24 +287,28 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
     q, latent = q.contiguous(), latent.contiguous()
     if key_mask is not None and key_mask.stride(-1) != 1:
         key_mask = key_mask.contiguous()
-    block_h, block_n, warps, stages, programs = LATENT_CONFIGS["long" if keys >= LATENT_LONG_KEYS else "short"]
+    config = LATENT_CONFIG
+    block_h, step = config["heads"], max(config["plain"][0], config["pipelined"][0])
     groups = triton.cdiv(heads, block_h)
-    splits_wanted = max(1, programs // (batch * groups))
-    split = max(block_n, triton.next_power_of_2(triton.cdiv(keys, splits_wanted)))  # a power of 2: few compiles
-    splits = triton.cdiv(keys, split)
+    splits = max(1, min(config["programs"] // (batch * groups), triton.cdiv(keys, step)))
     acc = torch.empty(batch, splits, heads, latent_width, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, splits, heads, 2, dtype=torch.float32, device=q.device)
     valid = key_mask if key_mask is not None else position
     block_c, block_r = triton.next_power_of_2(latent_width), max(16, triton.next_power_of_2(rope))
-    _latent_attention_split_kernel[(batch, splits, groups)](
-        q, latent, valid, position, acc, ml, heads, latent_width, rope, splits, q.stride(0),
-        latent.stride(0), valid.stride(0) if key_mask is not None else 0, float(scale), SPLIT=split, BLOCK_H=block_h,
-        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, HAS_VALID=key_mask is not None,
-        IEEE=q.dtype == torch.float32, num_warps=warps if block_c >= 256 else 4, num_stages=stages)
+    # the interpreter has no `range` over run-time bounds: there the plain loop takes every split
+    builds = (False,) if _INTERPRET else (False, True)
+    for pipelined in builds:
+        block_n, stages = config["pipelined" if pipelined else "plain"]
+        _latent_attention_split_kernel[(batch, splits, groups)](
+            q, latent, valid, position, acc, ml, heads, latent_width, rope, splits, q.stride(0), latent.stride(0),
+            valid.stride(0) if key_mask is not None else 0, float(scale), BLOCK_H=block_h, BLOCK_N=block_n,
+            BLOCK_C=block_c, BLOCK_R=block_r, HAS_VALID=key_mask is not None, IEEE=q.dtype == torch.float32,
+            STEP=step, PIPELINED=pipelined, PLAIN_MAX_KEYS=2**30 if _INTERPRET else config["plain_max_keys"],
+            num_warps=config["warps"] if block_c >= 256 else 4, num_stages=stages)
     out = torch.empty(batch, heads, latent_width, dtype=q.dtype, device=q.device)
     combine_c = min(block_c, 64)
     _latent_attention_combine_kernel[(batch, heads, triton.cdiv(latent_width, combine_c))](
-        acc, ml, position, out, heads, latent_width, split, splits, BLOCK_S=triton.next_power_of_2(splits),
+        acc, ml, position, out, heads, latent_width, splits, STEP=step, BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_C=combine_c, num_warps=4)
     return out
 
@@ -318,18 +342,22 @@ def router_topk(logits, bias, top_k, renormalize, scaling):
     return ids, weights
 
 
-def attn_res_mix(stacked, norm_weight, proj_weight, eps, out_weight, out_eps):
+def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps):
     """RMSNorm (weight `out_weight`, eps `out_eps`) of `sum_j softmax_j((v_j / rms(v_j)) . (norm_weight *
-    proj_weight)) v_j` over dim 0 of `stacked` [n, ..., H]; in fp32, the mix rounded to stacked's dtype before the
-    norm (as the torch code does), returned in that dtype with shape [..., H]."""
-    stacked = stacked.contiguous()
-    n, hidden = stacked.shape[0], stacked.shape[-1]
-    rows = stacked[0].numel() // hidden
-    out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
-    block_n = triton.next_power_of_2(n)
-    block_h = min(triton.next_power_of_2(hidden), max(128, 8192 // block_n))
-    _attn_res_mix_kernel[(rows,)](stacked, norm_weight, proj_weight, out_weight, out, n, rows, float(eps),
-                                  float(out_eps), H=hidden, BLOCK_N=block_n, BLOCK_H=block_h, num_warps=8)
+    proj_weight)) v_j` over the sources v_j: the stacked `bank` [n - 1, ..., H], then `last` [..., H]; in fp32, the
+    mix rounded to last's dtype before the norm (as the torch code does), returned in that dtype with last's shape.
+    None for rows too wide for one program (H > 16384)."""
+    hidden = last.shape[-1]
+    block_h = triton.next_power_of_2(hidden)
+    if block_h > 16384:
+        return None
+    n = bank.shape[0] + 1
+    bank, last = bank.contiguous(), last.contiguous()
+    rows = last.numel() // hidden
+    out = torch.empty_like(last)
+    _attn_res_mix_kernel[(rows,)](bank, last, norm_weight, proj_weight, out_weight, out, rows, float(eps),
+                                  float(out_eps), N=n, H=hidden, BLOCK_N=triton.next_power_of_2(n), BLOCK_H=block_h,
+                                  num_warps=8)
     return out
 
 

@@ -35,7 +35,7 @@ try:
     from .kda import kda_forward, supported as fla_supported
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
-    from .mxfp4_triton import supported as experts_kernel_supported
+    from .mxfp4_triton import situ_glu as fused_situ_glu, supported as experts_kernel_supported
     from .tensor_parallel import load_tensor_parallel
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config, check_fast_paths
@@ -45,7 +45,7 @@ except ImportError:  # imported from the repository root rather than as transfor
     from kda import kda_forward, supported as fla_supported
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
-    from mxfp4_triton import supported as experts_kernel_supported
+    from mxfp4_triton import situ_glu as fused_situ_glu, supported as experts_kernel_supported
     from tensor_parallel import load_tensor_parallel
 
 # Under transformers' own logger, so that its verbosity settings (`transformers.logging.set_verbosity_info()`) reach
@@ -185,10 +185,10 @@ def on_input_device(kernel):
     return launch
 
 
-(fused_attn_res_mix, fused_latent_attention, fused_short_conv, fused_pair_sum_norm, fused_router_topk, kda_forward,
- triton_routed_experts) = map(on_input_device, (fused_attn_res_mix, fused_latent_attention, fused_short_conv,
-                                                fused_pair_sum_norm, fused_router_topk, kda_forward,
-                                                triton_routed_experts))
+(fused_attn_res_mix, fused_latent_attention, fused_short_conv, fused_pair_sum_norm, fused_router_topk, fused_situ_glu,
+ kda_forward, triton_routed_experts) = map(on_input_device, (fused_attn_res_mix, fused_latent_attention,
+                                                             fused_short_conv, fused_pair_sum_norm, fused_router_topk,
+                                                             fused_situ_glu, kda_forward, triton_routed_experts))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,8 +234,11 @@ class KimiK3MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
         self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
 
-    def forward(self, x):
-        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+    def forward(self, x, fused=False):
+        """With `fused` (the `fused` fast path) the GLU is one kernel (`mxfp4_triton.situ_glu`, the same fp32 math)
+        instead of a dozen elementwise ops."""
+        glu = fused_situ_glu if fused else situ_glu
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,24 +246,38 @@ class KimiK3MLP(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def attn_res_mix(sources, norm, proj, out_norm, fused=False):
-    """Softmax-weighted mix over depth, `sum_j softmax_j(proj(norm(v_j))) v_j` in fp32, then `out_norm` of it (the
-    RMSNorm of the sublayer that reads the mix).
+class BlockBank(tuple):
+    """The block snapshots of Block Attention Residuals (row 0 the embeddings), a tuple that also keeps the stack of
+    its entries once made: the fused depth mixes of a block's layers (two a layer) then read one stack instead of
+    copying the bank at every mix."""
+
+    def stacked(self):
+        if getattr(self, "_stacked", None) is None:
+            self._stacked = torch.stack(self)
+        return self._stacked
+
+
+def attn_res_mix(bank, partial, norm, proj, out_norm, fused=False):
+    """Softmax-weighted mix over depth of the sources `bank` (block snapshots) + `partial` (the current block's
+    partial sum), `sum_j softmax_j(proj(norm(v_j))) v_j` in fp32, then `out_norm` of it (the RMSNorm of the sublayer
+    that reads the mix).
 
     `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score of Block Attention
-    Residuals. With `fused` (the `fused` fast path) one kernel (`fused_triton.attn_res_mix`) does both after the
-    stack, without calling the norm modules.
+    Residuals. With `fused` (the `fused` fast path) one kernel (`fused_triton.attn_res_mix`) does both over the
+    stacked bank and the partial sum, without calling the norm modules.
     """
-    if len(sources) == 1:
-        return out_norm(sources[0])
-    stacked = torch.stack(sources)  # [n, B, T, H]
+    if not bank:
+        return out_norm(partial)
     # accelerate's offload hooks load a module's weights only for its own forward, which the kernel bypasses
-    if fused and all(m.weight.device == stacked.device for m in (norm, proj, out_norm)):
-        return fused_attn_res_mix(stacked, norm.weight, proj.weight[0], norm.variance_epsilon, out_norm.weight,
-                                  out_norm.variance_epsilon)
-    stacked = stacked.float()
+    if fused and all(m.weight.device == partial.device for m in (norm, proj, out_norm)):
+        stacked = bank.stacked() if isinstance(bank, BlockBank) else torch.stack(tuple(bank))
+        mixed = fused_attn_res_mix(stacked, partial, norm.weight, proj.weight[0], norm.variance_epsilon,
+                                   out_norm.weight, out_norm.variance_epsilon)
+        if mixed is not None:  # None: rows too wide for the kernel
+            return mixed
+    stacked = torch.stack(list(bank) + [partial]).float()  # [n, B, T, H]
     weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
-    return out_norm((weights * stacked).sum(0).to(sources[-1].dtype))
+    return out_norm((weights * stacked).sum(0).to(partial.dtype))
 
 
 class KimiK3AttnResProj(nn.Module):
@@ -477,6 +494,8 @@ class KimiK3MLAttention(nn.Module):
         batch, _, length, _ = q.shape
         if absorb and length == 1 and fast.fused:  # one pass over the keys up to the query (fused_triton)
             attn = self.attend_absorbed(q, latent, key_mask=attention_mask, position=positions)
+        elif attention_mask is None and latent.shape[1] == length:  # a prompt on its own: plain causal attention
+            attn = self.attend_expanded(q, latent, None, causal=True)
         else:
             mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
             attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
@@ -489,14 +508,16 @@ class KimiK3MLAttention(nn.Module):
     # to heads x (nope + v); it wins while the queries are few next to the keys, as in decode.
     ABSORB_MAX_QUERIES = 16
 
-    def attend_expanded(self, q, latent, mask):
-        """Reference: expand per-head K/V from the latent with kv_b_proj, then causal SDPA. q: [B, heads, Tq, 192]."""
+    def attend_expanded(self, q, latent, mask, causal=False):
+        """Reference: expand per-head K/V from the latent with kv_b_proj, then SDPA under `mask`, or with `causal`
+        (queries and keys the same tokens) SDPA's own causal masking, which skips the masked blocks instead of
+        computing them. q: [B, heads, Tq, 192]."""
         batch, keys = latent.shape[:2]
         c, k_r = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c).view(batch, keys, self.num_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, self.num_heads, -1, -1)], dim=-1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
     def attend_absorbed(self, q, latent, mask=None, key_mask=None, position=None):
         """Same attention in the latent space: q_nope is mapped through W_UK^T onto the latent, the softmax-weighted
@@ -723,7 +744,7 @@ class KimiK3LatentMoE(nn.Module):
             return moe_side_by_side(self, x, fast)
         ids, weights = self.gate(flat)
         y = self.latent_experts(self.routed_expert_down_proj(flat), ids, weights, fast)
-        return (y + self.shared_experts(flat)).view(x.shape)
+        return (y + self.shared_experts(flat, fast.fused)).view(x.shape)
 
     def latent_experts(self, z, ids, weights, fast):
         """The routed half in the latent space: `up(norm(sum_k w_k expert_k(z)))` for the latents z [N, L], on the
@@ -850,21 +871,19 @@ class KimiK3DecoderLayer(nn.Module):
         if positions is None:
             positions = _next_positions(cache, partial.shape[1], partial.device)
         fused = self.dispatch.at(partial.device).fused
-        sources = list(bank) + [partial]
-        h = attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm,
-                         fused)
+        h = attn_res_mix(bank, partial, self.self_attention_res_norm, self.self_attention_res_proj,
+                         self.input_layernorm, fused)
         if self.opens_block:
-            bank, partial = tuple(bank) + (partial,), None
+            bank, partial = BlockBank(tuple(bank) + (partial,)), None
         if isinstance(self.self_attn, KimiK3DeltaAttention):
             token_mask = attention_mask[:, positions] if attention_mask is not None else None
             a = self.self_attn(h, token_mask, cache)
         else:
             a = self.self_attn(h, attention_mask, cache, positions)
         partial = a if partial is None else partial + a
-        h = attn_res_mix(list(bank) + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm,
-                         fused)
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return tuple(bank), partial + ffn(h)
+        h = attn_res_mix(bank, partial, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm, fused)
+        ffn = self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h, fused)
+        return (bank if isinstance(bank, tuple) else tuple(bank)), partial + ffn
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1193,7 +1212,7 @@ def moe_side_by_side(moe, x, fast):
     with routing:
         ids, weights = moe.gate(flat)
     with shared_branch:
-        shared = moe.shared_experts(flat)
+        shared = moe.shared_experts(flat, fast.fused)
     z = moe.routed_expert_down_proj(flat)
     routing.join()
     y = moe.latent_experts(z, ids, weights, fast)
@@ -1371,8 +1390,11 @@ class KimiK3TextModel(nn.Module):
         else:
             _check_mask(attention_mask, length)
             positions = _next_positions(None, length, device)
-        if attention_mask is not None and attention_mask.device.type == "cpu" and bool(attention_mask.all()):
-            attention_mask = None  # no padding: same outputs without each layer's masking ops (a CPU read is free)
+        if (attention_mask is not None and (attention_mask.device.type == "cpu" or length > 1)
+                and bool(attention_mask.all())):
+            # no padding: the same outputs without each layer's masking ops, and MLA prompts take SDPA's causal
+            # kernels; one host read a prompt (free on the CPU; skipped for a GPU's decode steps)
+            attention_mask = None
         bank, partial = (), inputs_embeds
         for layer in self.layers:
             bank, partial = layer(bank, partial, attention_mask, cache, positions)
@@ -1383,8 +1405,8 @@ class KimiK3TextModel(nn.Module):
 
     def output_mix(self, bank, partial):
         """The last depth mix over every block and the final norm: the decoder's output hidden states."""
-        sources = [s.to(partial.device) for s in bank] + [partial]
-        return attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj, self.norm,
+        bank = tuple(s.to(partial.device) for s in bank)
+        return attn_res_mix(bank, partial, self.output_attn_res_norm, self.output_attn_res_proj, self.norm,
                             self.dispatch.at(partial.device).fused)
 
 

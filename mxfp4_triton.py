@@ -258,6 +258,11 @@ if triton is not None:
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
+    def _situ(g, u, BETA: tl.constexpr, LINEAR_BETA: tl.constexpr):
+        """SiTU-GLU of fp32 gate and up values: `beta*tanh(g/beta) * sigmoid(g) * linear_beta*tanh(u/linear_beta)`."""
+        return (BETA * _tanh(g / BETA)) * tl.sigmoid(g) * (LINEAR_BETA * _tanh(u / LINEAR_BETA))
+
+    @triton.jit
     def _block_rows(rows_ptr, pid_m, num_pairs, BM: tl.constexpr, PAIRS: tl.constexpr):
         """The flat (token, slot) pair of each of a block's BM rows (`num_pairs`: padding). PAIRS: one block per
         pair, in order (its expert read straight from the router's ids); else from `align_blocks`' rows."""
@@ -302,8 +307,7 @@ if triton is not None:
                                 BN, BK, UPCAST, F32_DOT, FAST_MATH)
             acc3 = _mx_tile_dot(acc3, x_row + k0, x_mask, w3_ptr + w_col + k0 // 2, s3_ptr + s_col + k0 // 32,
                                 BN, BK, UPCAST, F32_DOT, FAST_MATH)
-        act = (BETA * _tanh(acc1 / BETA)) * tl.sigmoid(acc1) * (LINEAR_BETA * _tanh(acc3 / LINEAR_BETA))
-        act = act.to(ACT)
+        act = _situ(acc1, acc3, BETA, LINEAR_BETA).to(ACT)
         if UPCAST == 2:  # stored in the w2 kernel's K order (see run_experts)
             offs_n = offs_n // 32 * 32 + offs_n % 2 * 16 + offs_n % 32 // 2
             h_ptrs = h_ptr + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None]
@@ -396,15 +400,15 @@ if triton is not None:
         tl.store(terms_ptr + pair * L + offs, value, mask=mask)
 
     @triton.jit
-    def _situ_glu_kernel(h_ptr, out_ptr, INNER: tl.constexpr, BETA: tl.constexpr, LINEAR_BETA: tl.constexpr,
-                         BLOCK: tl.constexpr):
-        """One program per (row, BLOCK columns): SiTU-GLU of a row [w1 z, w3 z] (bf16, 2 * INNER) in fp32, rounded."""
+    def _situ_glu_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, INNER: tl.constexpr, BETA: tl.constexpr,
+                         LINEAR_BETA: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per (row, BLOCK columns): SiTU-GLU of a row's gate and up values in fp32, rounded."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < INNER
-        g = tl.load(h_ptr + row * (2 * INNER) + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_ptr + row * (2 * INNER) + INNER + offs, mask=mask, other=0.0).to(tl.float32)
-        act = BETA * _tanh(g / BETA) * tl.sigmoid(g) * (LINEAR_BETA * _tanh(u / LINEAR_BETA))
+        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+        act = _situ(g, u, BETA, LINEAR_BETA)
         tl.store(out_ptr + row * INNER + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -499,15 +503,21 @@ def dequantize(packed, scale, out=None, out_rows=None):
     return out
 
 
-def situ_glu(h, beta, linear_beta):
-    """SiTU-GLU of rows [w1 z, w3 z] [N, 2 * inner] (the model's `situ_glu`: fp32, rounded to h's dtype)."""
-    rows, inner = h.shape[0], h.shape[1] // 2
-    out = torch.empty(rows, inner, dtype=h.dtype, device=h.device)
+def situ_glu(gate, up, beta, linear_beta):
+    """SiTU-GLU of gate and up values [..., inner] (the model's `situ_glu`: fp32, rounded to gate's dtype), in one
+    pass; each may be a view with its own row stride (e.g. the two halves of rows [w1 z, w3 z])."""
+    shape, inner = gate.shape, gate.shape[-1]
+    gate, up = gate.reshape(-1, inner), up.reshape(-1, inner)
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    rows = gate.shape[0]
+    out = torch.empty(rows, inner, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(inner))
     if rows:
         _situ_glu_kernel[(rows, triton.cdiv(inner, block))](
-            h, out, INNER=inner, BETA=float(beta), LINEAR_BETA=float(linear_beta), BLOCK=block, num_warps=4)
-    return out
+            gate, up, out, gate.stride(0), up.stride(0), INNER=inner, BETA=float(beta), LINEAR_BETA=float(linear_beta),
+            BLOCK=block, num_warps=4)
+    return out.view(shape)
 
 
 def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_beta, chunk_bytes=None):
@@ -543,7 +553,8 @@ def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_be
         dequantize(stack.w2[group], stack.s2[group], w2[: len(sizes)])
         ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=z.device, dtype=torch.int32)
         h = torch._grouped_mm(x[start : start + rows], w13[: len(sizes)].transpose(1, 2), offs=ends)
-        out = torch._grouped_mm(situ_glu(h, beta, linear_beta), w2[: len(sizes)].transpose(1, 2), offs=ends)
+        act = situ_glu(h[:, :inner], h[:, inner:], beta, linear_beta)
+        out = torch._grouped_mm(act, w2[: len(sizes)].transpose(1, 2), offs=ends)
         block = min(1024, triton.next_power_of_2(latent))
         _weighted_scatter_kernel[(rows, triton.cdiv(latent, block))](
             out, order[start : start + rows], flat_weights, terms, L=latent, BLOCK=block, num_warps=4)

@@ -6,8 +6,10 @@
     the bf16 rate and bytes / copy bandwidth, both measured in this run);
   * whole-model prefill, extrapolated: layer 0 + 68 KDA + 24 MLA layers;
   * a 131,072-token prompt through one layer of each kind (chunked), with the peak GPU memory it took;
-  * decode TPOT by context: one-token CUDA-graph steps of the KDA layer and of the MLA layer over a cache of 2048 /
-    32768 / 131072 latents (a static cache sized to the context), extrapolated to 69 KDA + 24 MLA layers + LM head.
+  * decode TPOT by context: one-token CUDA-graph steps of the KDA layer and of the MLA layer at 2048 / 32768 /
+    131072 cached latents, extrapolated to 69 KDA + 24 MLA layers + LM head: the MLA step on one static cache sized
+    for the longest context, one graph replayed at each (`mla_steps_by_context`; what `generate` with
+    `make_static_cache` runs), and beside it on a `KimiK3Cache` of each context (grown by concatenation).
 
     python bench/prefill.py --out bench/results/prefill_h200.json [--quick] [--baseline]
 """
@@ -25,12 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import fused_triton  # noqa: E402
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 import layer as bench_layer  # noqa: E402  (bench/layer.py: layer builder, decode benchmark, floors, timers)
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import KimiK3Cache, KimiK3TextModel  # noqa: E402
+from modeling_kimi_k3 import KimiK3Cache, KimiK3StaticCache, KimiK3TextModel  # noqa: E402
 
 CARD = {"prefill_tok_s": 1880, "tpot_ms_32k": 38.8, "tok_s_131k": 15.7, "setup": "8x RTX 6000, SGLang (model card)"}
 KDA_MOE_LAYERS, MLA_MOE_LAYERS = 68, 24  # and the dense layer 0 (KDA)
@@ -82,14 +83,13 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "prefill_h200.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--baseline", action="store_true",
-                        help="the paths before issue 20's changes, for a side-by-side run: prompts through fla's "
+                        help="some paths before issue 20's changes, for a side-by-side run: prompts through fla's "
                              "recurrent KDA kernel, the routed experts through the fused MXFP4 kernels at every "
-                             "size, one latent-attention configuration for every cache size")
+                             "size")
     args = parser.parse_args()
     if args.baseline:
         os.environ["KIMI_K3_FAST_PATHS"] = "kda_prefill=off"
         mxfp4_triton.UPCAST_ONCE_MIN_PAIRS_PER_EXPERT = float("inf")
-        fused_triton.LATENT_CONFIGS = dict.fromkeys(("short", "long"), (32, 32, 8, 3, 256))
     if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
         kda.quick_tune(1)
     started = time.time()
@@ -150,22 +150,60 @@ def main():
     head_ms, _ = bench_layer.lm_head_ms(text, 20, 1)
     bench_layer.DEVICE = "cuda"
     kda_step = bench_layer.bench_decode(text, kda_layer, 1, ceil, 20, seed=1)
+    static = mla_steps_by_context(text, mla_layer, CONTEXTS, 20, seed=3)
     result["tpot_ms_by_context"], result["floor"]["tpot_ms_by_context"], result["mla_decode_ms_by_context"] = {}, {}, {}
+    result["tpot_ms_by_context_dynamic_cache"], result["mla_decode_ms_by_context_dynamic_cache"] = {}, {}
     for context in CONTEXTS:
         bench_layer.CONTEXT = context  # the latents cached behind the MLA layer's decode step
-        mla_step = bench_layer.bench_decode(text, mla_layer, 1, ceil, 20, seed=3)
-        result["mla_decode_ms_by_context"][str(context)] = mla_step["fast_graph_ms"]
-        tpot = (KDA_MOE_LAYERS + 1) * kda_step["fast_graph_ms"] + MLA_MOE_LAYERS * mla_step["fast_graph_ms"] + head_ms
+        mla_step = bench_layer.bench_decode(text, mla_layer, 1, ceil, 20, seed=3)  # a KimiK3Cache, grown by concat
+        per_layer = {"": static[context], "_dynamic_cache": mla_step["fast_graph_ms"]}
+        for suffix, mla_ms in per_layer.items():
+            result["mla_decode_ms_by_context" + suffix][str(context)] = mla_ms
+            tpot = (KDA_MOE_LAYERS + 1) * kda_step["fast_graph_ms"] + MLA_MOE_LAYERS * mla_ms + head_ms
+            result["tpot_ms_by_context" + suffix][str(context)] = tpot
         floor = (KDA_MOE_LAYERS + 1) * kda_step["floor_ms"] + MLA_MOE_LAYERS * mla_step["floor_ms"]
-        result["tpot_ms_by_context"][str(context)] = tpot
         result["floor"]["tpot_ms_by_context"][str(context)] = floor
-        print(f"context {context}: MLA layer step {mla_step['fast_graph_ms']:.3f} ms, TPOT {tpot:.1f} ms "
-              f"({1e3 / tpot:.1f} tok/s), floor {floor:.1f} ms", flush=True)
+        tpot = result["tpot_ms_by_context"][str(context)]
+        print(f"context {context}: MLA layer step {static[context]:.3f} ms (static cache, one graph; "
+              f"{mla_step['fast_graph_ms']:.3f} ms on a concatenated cache), TPOT {tpot:.1f} ms ({1e3 / tpot:.1f} "
+              f"tok/s), floor {floor:.1f} ms", flush=True)
         save()
-    ratio = result["tpot_ms_by_context"]["131072"] / result["tpot_ms_by_context"]["2048"]
-    result["tpot_131k_over_2k"] = ratio
-    print(f"TPOT at 131072 / at 2048: {ratio:.3f} (target <= 1.1)")
+    for suffix in ("", "_dynamic_cache"):
+        by_context = result["tpot_ms_by_context" + suffix]
+        result["tpot_131k_over_2k" + suffix] = by_context["131072"] / by_context["2048"]
+    print(f"TPOT at 131072 / at 2048: {result['tpot_131k_over_2k']:.3f} (target <= 1.1; on a concatenated cache "
+          f"{result['tpot_131k_over_2k_dynamic_cache']:.3f})")
     save()
+
+
+def mla_steps_by_context(text, layer, contexts, reps, seed):
+    """Median ms of the MLA layer's one-token decode step (batch 1) at each context, as `generate` runs it on a
+    `KimiK3StaticCache`: one cache sized for the longest context (its latents random), one CUDA graph captured at
+    the first context, then replayed at each with the position and mask written into the cache's device buffers,
+    as the decode runner does: the graph stays valid as the context grows, and a step reads only the filled part."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden, attn = text.hidden_size, layer.self_attn
+    bank = tuple(torch.randn(1, 1, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    partial = torch.randn(1, 1, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cache = KimiK3StaticCache(text, 1, max(contexts) + 1)
+    cache.layers[layer.layer_idx].latent = torch.randn(1, max(contexts) + 1, attn.kv_lora_rank + attn.rope_dim,
+                                                       device="cuda", generator=gen, dtype=torch.bfloat16)
+    positions = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def at(context):
+        cache.seen_tokens = context
+        mask, position = cache.prepare(None, 1, 1, "cuda")  # writes the cache's position and mask buffers
+        positions.copy_(position)
+        return mask
+
+    mask = at(contexts[0])
+    with torch.no_grad():
+        graph, _ = bench_layer.graph_of(lambda: layer(bank, partial, mask, cache, positions)[1], lambda: None)
+        steps = {}
+        for context in contexts:
+            at(context)
+            steps[context] = bench_layer.time_ms(graph.replay, reps)
+    return steps
 
 
 def build_dense(text):

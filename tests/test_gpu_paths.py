@@ -22,7 +22,7 @@ import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
-    KimiK3AttnResProj, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix,
+    BlockBank, KimiK3AttnResProj, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix,
     use_fast_paths)
 from reap_tools.tiny import random_model, tiny_config  # noqa: E402
 
@@ -271,7 +271,7 @@ def max_rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-@pytest.mark.parametrize("n,rows", [(2, 1), (3, 8), (9, 300)])
+@pytest.mark.parametrize("n,rows", [(2, 1), (3, 8), (9, 300), (5, 4096)])
 def test_fused_depth_mix_matches_torch(n, rows):
     """fused_triton's depth mix + RMSNorm vs the model's torch code at the release width, bf16: one bf16 ulp."""
     hidden = 7168
@@ -284,8 +284,8 @@ def test_fused_depth_mix_matches_torch(n, rows):
         for module in (norm, out_norm):
             module.weight.uniform_(0.5, 1.5, generator=gen)
         proj.weight.normal_(0.0, 0.05, generator=gen)
-        fused = attn_res_mix(sources, norm, proj, out_norm, fused=True)
-        ref = attn_res_mix(sources, norm, proj, out_norm)
+        fused = attn_res_mix(BlockBank(sources[:-1]), sources[-1], norm, proj, out_norm, fused=True)
+        ref = attn_res_mix(sources[:-1], sources[-1], norm, proj, out_norm)
     err = max_rel(fused, ref)
     print(f"fused depth mix n={n} rows={rows}: max diff {err:.1e} of max |ref|")
     assert fused.dtype == ref.dtype and fused.shape == ref.shape and err <= 2 ** -7

@@ -30,7 +30,7 @@ import fused_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import (FastPaths, KimiK3AttnResProj, KimiK3Cache, KimiK3DeltaAttention,  # noqa: E402
+from modeling_kimi_k3 import (BlockBank, FastPaths, KimiK3AttnResProj, KimiK3Cache, KimiK3DeltaAttention,  # noqa: E402
                               KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix,
                               use_fast_paths)
 
@@ -154,8 +154,9 @@ def record_attn_res_mix(text):
     for module in (norm, out_norm, proj):
         module.to(torch.bfloat16)
     for sources, tokens in ((2, 1), (blocks + 1, 1), (blocks + 1, 16)):
-        attn_res_mix([torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16) for _ in range(sources)],
-                     norm, proj, out_norm, fused=True)
+        bank = BlockBank(torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16) for _ in range(sources - 1))
+        attn_res_mix(bank, torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16), norm, proj, out_norm,
+                     fused=True)
 
 
 def record_short_convs(text):

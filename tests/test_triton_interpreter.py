@@ -79,8 +79,12 @@ UPCAST_ONCE_SCRIPT = textwrap.dedent(
         assert bool(same.all()), int((~same).sum())
     h = torch.randn(7, 80).to(torch.bfloat16)
     want = situ_glu(h[:, :40], h[:, 40:], 4.0, 25.0).float()
-    diff = (mt.situ_glu(h, 4.0, 25.0).float() - want).abs()
+    diff = (mt.situ_glu(h[:, :40], h[:, 40:], 4.0, 25.0).float() - want).abs()
     assert bool((diff <= want.abs() * 2 ** -7 + 1e-6).all()), diff.max()  # a bf16 ulp (the interpreter truncates)
+    gate, up = torch.randn(2, 3, 48).to(torch.bfloat16), torch.randn(2, 3, 48).to(torch.bfloat16)  # an MLP's
+    want = situ_glu(gate, up, 4.0, 25.0).float()
+    got = mt.situ_glu(gate, up, 4.0, 25.0)
+    assert got.shape == gate.shape and bool(((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all())
     # the experts against the reference's packed experts, one chunk and chunks of 2 experts, with another rank's pairs
     latent, inner, experts, top_k, tokens = 64, 96, 6, 3, 40
     config = tiny_config(packed=True, routed_expert_hidden_size=latent, moe_intermediate_size=inner,
@@ -123,7 +127,7 @@ FUSED_SCRIPT = textwrap.dedent(
             norm.weight.uniform_(0.5, 1.5)
             out_norm.weight.uniform_(0.5, 1.5)
             proj.weight.normal_(0.0, 0.2)
-            out = attn_res_mix(sources, norm, proj, out_norm, fused=True)  # the kernel, in the interpreter
+            out = attn_res_mix(sources[:-1], sources[-1], norm, proj, out_norm, fused=True)  # the kernel
         v = torch.stack(sources).double()
         normed = v * (v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).rsqrt() * norm.weight.double()
         p = (normed @ proj.weight[0].double()).softmax(0).unsqueeze(-1)
