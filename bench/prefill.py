@@ -31,7 +31,7 @@ import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 import layer as bench_layer  # noqa: E402  (bench/layer.py: layer builder, decode benchmark, floors, timers)
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import KimiK3Cache, KimiK3StaticCache, KimiK3TextModel  # noqa: E402
+from modeling_kimi_k3 import BlockBank, KimiK3Cache, KimiK3StaticCache, KimiK3TextModel  # noqa: E402
 
 CARD = {"prefill_tok_s": 1880, "tpot_ms_32k": 38.8, "tok_s_131k": 15.7, "setup": "8x RTX 6000, SGLang (model card)"}
 KDA_MOE_LAYERS, MLA_MOE_LAYERS = 68, 24  # and the dense layer 0 (KDA)
@@ -46,10 +46,10 @@ def prefill_ms(text, layer, tokens, reps, seed):
     bank = tuple(torch.randn(1, tokens, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
     partial = torch.randn(1, tokens, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
 
-    def run():
+    def run():  # a chunk's bank is stacked once for both of the layer's depth mixes (in the model: once a block)
         cache = KimiK3Cache(text)
         for start in range(0, tokens, chunk):
-            part = tuple(b[:, start:start + chunk] for b in bank)
+            part = BlockBank(b[:, start:start + chunk] for b in bank)
             layer(part, partial[:, start:start + chunk], None, cache)
             cache.seen_tokens += min(chunk, tokens - start)
 
