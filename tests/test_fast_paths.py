@@ -235,3 +235,38 @@ def test_on_for_a_cuda_path_fails_at_load_naming_it(remote_folder, tmp_path):
     assert sorted(errors) == sorted(paths)
     for path, message in errors.items():
         assert f"fast_paths['{path}'] is 'on', but it needs" in message
+
+
+def test_a_block_bank_is_stacked_once_for_every_depth_mix_that_reads_it(monkeypatch):
+    """The fused depth mix reads the block bank as one stack: a `BlockBank`, which the decoder hands from layer to
+    layer within a block, makes it once and gives the same tensor to every mix (a plain tuple is stacked at each);
+    where the kernel declines (None) the reference runs."""
+    import modeling_kimi_k3 as code
+
+    stacks = []
+    monkeypatch.setattr(code, "fused_attn_res_mix", lambda stacked, *args: stacks.append(stacked))
+    hidden = 16
+    norm, proj, out_norm = code.KimiK3RMSNorm(hidden), code.KimiK3AttnResProj(hidden), code.KimiK3RMSNorm(hidden)
+    with torch.no_grad():
+        proj.weight.normal_(0.0, 0.5)
+    bank, partial = code.BlockBank(torch.randn(1, 3, hidden) for _ in range(3)), torch.randn(1, 3, hidden)
+    mixed = code.attn_res_mix(bank, partial, norm, proj, out_norm, fused=True)
+    code.attn_res_mix(bank, 2 * partial, norm, proj, out_norm, fused=True)
+    assert stacks[0] is stacks[1] and torch.equal(stacks[0], torch.stack(tuple(bank)))
+    plain = tuple(bank)
+    for _ in range(2):
+        code.attn_res_mix(plain, partial, norm, proj, out_norm, fused=True)
+    assert stacks[2] is not stacks[3]
+    assert torch.equal(mixed, code.attn_res_mix(plain, partial, norm, proj, out_norm))
+
+    model = random_model(tiny_config(), seed=0).float()
+    layers = model.language_model.model.layers
+    banks = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda module, args: banks.append(args[0]))
+    with torch.no_grad():
+        model(torch.tensor([[5, 17, 9, 33]]))
+    assert banks[0] == ()
+    for i in range(1, len(layers)):
+        assert isinstance(banks[i], code.BlockBank)
+        assert (banks[i] is banks[i - 1]) == (not layers[i - 1].opens_block), i  # a new bank only past an opening
