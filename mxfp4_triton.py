@@ -27,9 +27,6 @@ Routing metadata is built with torch ops only (no host sync), so a decode step c
 A block whose `experts` fast path is on calls `routed_experts`, which returns None where its experts cannot take
 it (not stacked on the activations' device) so that the block falls back to its reference. The stacks come from
 `stack_experts`, which the block calls at load and after a move (never in a forward); its reference reads them too.
-
-`situ_glu` is the SiTU-GLU in one pass over gate and up values: between the grouped GEMMs of a prompt's upcast
-experts (`run_experts_upcast_once`), and for the model's MLPs (shared experts, dense layer) under the `fused` path.
 """
 
 import os
