@@ -80,9 +80,10 @@ if triton is not None:
                            stride_yt, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_S: tl.constexpr):
         """One program per (row, BLOCK_T tokens, BLOCK_D channels) of one conv: y[t] = silu(sum_j w_j in[t + j])
-        over in = [state (K-1 inputs), x] per channel, summed in fp32 and rounded to x's dtype before the SiLU (as
-        the torch code does). The programs of the first token block also write the new state, the last K-1 inputs
-        (BLOCK_T >= K-1, so no other program reads the old state: it may be the same buffer)."""
+        over in = [state (K-1 inputs), x] per channel, summed in fp32 and rounded to x's dtype before and after the
+        SiLU (as the torch code does), then stored in y's dtype. The programs of the first token block also write
+        the new state, the last K-1 inputs (BLOCK_T >= K-1, so no other program reads the old state: it may be the
+        same buffer)."""
         b = tl.program_id(0).to(tl.int64)
         t0 = tl.program_id(1) * BLOCK_T
         offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -100,9 +101,9 @@ if triton is not None:
             tap = tl.where(s[:, None] >= 0, from_x.to(tl.float32), from_state.to(tl.float32))
             w = tl.load(w_ptr + offs_d * K + j, mask=d_mask, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
             acc += tap * w[None, :]
-        y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = y * tl.sigmoid(y)
-        tl.store(y_ptr + b * stride_yb + offs_t[:, None] * stride_yt + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
+        y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + b * stride_yb + offs_t[:, None] * stride_yt + offs_d[None, :], y,
                  mask=t_mask[:, None] & d_mask[None, :])
         if t0 == 0:  # the new history: inputs T-(K-1) .. T-1 of [state, x]
             offs_i = tl.arange(0, BLOCK_S)
@@ -361,11 +362,11 @@ def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps)
     return out
 
 
-def short_conv(inputs, weights, states=None, in_place=False):
+def short_conv(inputs, weights, states=None, in_place=False, out_dtype=None):
     """Causal depthwise convolution + SiLU of each x in `inputs` [B, T, D_i] with its weight [D_i, 1, K] and history
-    [B, D_i, K-1] (None: zeros). Returns (outputs [B, T, D_i] in x's dtype, new histories [B, D_i, K-1] in the
-    history's dtype, x's without one). `in_place` writes the new histories over the given (contiguous) ones, a
-    static cache's buffers, and returns those."""
+    [B, D_i, K-1] (None: zeros). Returns (outputs [B, T, D_i] in x's dtype, then cast to `out_dtype` where given,
+    new histories [B, D_i, K-1] in the history's dtype, x's without one). `in_place` writes the new histories over
+    the given (contiguous) ones, a static cache's buffers, and returns those."""
     outputs, new_states = [], []
     for i, (x, weight) in enumerate(zip(inputs, weights)):
         batch, length, channels = x.shape
@@ -375,7 +376,7 @@ def short_conv(inputs, weights, states=None, in_place=False):
         if state is None:
             state = x.new_zeros(batch, channels, kernel - 1)
         x, state = x.contiguous(), state.contiguous()
-        y = torch.empty(batch, length, channels, dtype=x.dtype, device=x.device)
+        y = torch.empty(batch, length, channels, dtype=out_dtype or x.dtype, device=x.device)
         new = state if overwrite else torch.empty_like(state)
         block_s = triton.next_power_of_2(kernel - 1)  # the history's length, padded
         block_t = max(4, min(16, triton.next_power_of_2(length)), block_s)

@@ -384,9 +384,11 @@ class KimiK3DeltaAttention(nn.Module):
 
     def qkv(self, x, own, fast):
         """q, k, v projected and through their short convs (histories from the cache layer `own`); returns
-        ((q, k, v), the new conv histories)."""
+        ((q, k, v), the new conv histories). Where fla's chunked kernel takes them (in fp32, see kda.py), the fused
+        convs store them in fp32 (the same values), which spares a cast of each."""
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        return self.short_convs(projected, own.conv_states, own.in_place, fast.fused)
+        fp32 = torch.float32 if fast.kda_prefill and x.shape[1] > 1 else None
+        return self.short_convs(projected, own.conv_states, own.in_place, fast.fused, fp32)
 
     def delta_rule(self, x, qkv, gates, own, fast):
         """The gated delta rule over the convolved q, k, v from `own`'s recurrent state (both states written back
@@ -405,16 +407,17 @@ class KimiK3DeltaAttention(nn.Module):
         o = self.o_norm(o.to(x.dtype)) * out_gate
         return self.o_proj(o.reshape(batch, length, -1))
 
-    def short_convs(self, projected, conv_states, in_place, fused=False):
+    def short_convs(self, projected, conv_states, in_place, fused=False, fused_dtype=None):
         """q, k, v through their short convs: returns ((q, k, v), new conv histories). With `fused` one kernel a
-        conv (`in_place`: the histories are overwritten, as a static cache wants); else one `short_conv` over the
+        conv (`in_place`: the histories are overwritten, as a static cache wants; outputs cast to `fused_dtype` where
+        given); else one `short_conv` over the
         concatenated channels (1/3 the ops), or, with weights offloaded by accelerate (its hooks load each conv's
         weight only for its own forward), each conv module on its own."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         if not all(c.weight.device == projected[0].device for c in convs):
             return zip(*(c(y, s) for c, y, s in zip(convs, projected, conv_states or (None,) * 3)))
         if fused:
-            return fused_short_conv(projected, [c.weight for c in convs], conv_states, in_place)
+            return fused_short_conv(projected, [c.weight for c in convs], conv_states, in_place, fused_dtype)
         widths = [c.out_channels for c in convs]
         qkv, qkv_state = short_conv(torch.cat(projected, dim=-1), torch.cat([c.weight for c in convs]),
                                     None if conv_states is None else torch.cat(conv_states, dim=1))

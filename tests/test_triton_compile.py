@@ -144,6 +144,10 @@ def record_moe(text):
             assert pairs is not None and pairs.dtype == torch.float32
         moe.normed_sum(torch.randn(tokens, text.num_experts_per_token, text.routed_expert_hidden_size), z.dtype,
                        fused=True)
+    # a GPU upcasts a prompt's next chunk of experts beside the GEMMs (on a second stream, which the CPU lacks): the
+    # launches of that upcast, from the path's own code
+    upcasts = mxfp4_triton._ChunkUpcasts(moe.stack_experts(), [(0, [1, 1]), (2, [1, 1])], 2, "cpu", None)
+    upcasts._upcast(1, mxfp4_triton.UPCAST_BESIDE)
 
 
 def record_attn_res_mix(text):
@@ -170,6 +174,7 @@ def record_short_convs(text):
     def projected(tokens):
         return tuple(torch.randn(1, tokens, width).to(torch.bfloat16) for _ in range(3))
 
+    attn.short_convs(projected(7), None, False, fused=True, fused_dtype=torch.float32)  # for fla's chunked KDA
     _, histories = attn.short_convs(projected(7), None, False, fused=True)
     attn.short_convs(projected(1), histories, False, fused=True)
     cache = KimiK3StaticCache(text, batch_size=1, max_length=16, cuda_graph=False)

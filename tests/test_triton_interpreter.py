@@ -74,7 +74,10 @@ UPCAST_ONCE_SCRIPT = textwrap.dedent(
     want = torch.stack([dequantize_unchecked(packed[e], codes[e], torch.bfloat16) for e in range(2)])
     halves = torch.zeros(2, 508, 512, dtype=torch.bfloat16)
     mt.dequantize(packed, codes, halves[:, 254:], out_rows=508)  # the second half of a [E, 2 * rows, K] buffer
-    for got in (mt.dequantize(packed, codes), halves[:, 254:]):
+    beside = torch.zeros(2, 508, 512, dtype=torch.bfloat16)  # 3 programs striding 8 rows a step, a partial last
+    mt.dequantize(packed, codes, beside[:, :254], out_rows=508, beside=dict(sms=3, warps=4, rows=8))
+    assert bool((beside[:, 254:] == 0).all())
+    for got in (mt.dequantize(packed, codes), halves[:, 254:], beside[:, :254]):
         same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
         assert bool(same.all()), int((~same).sum())
     h = torch.randn(7, 80).to(torch.bfloat16)
@@ -156,6 +159,8 @@ FUSED_SCRIPT = textwrap.dedent(
             assert torch.equal(s, ref_s), ("conv state", batch, length, with_state)
         if given is not None:
             assert all(s is g for s, g in zip(news, given)), "in_place did not return the given histories"
+        outs32, _ = fused_triton.short_conv(inputs, weights, states, out_dtype=torch.float32)
+        assert all(torch.equal(y32, y.float()) for y32, y in zip(outs32, outs)), "fp32 outputs: other values"
 
     # the router's top-k: the biased scores' order (ties to the lower index, as a stable sort), unbiased weights
     for rows, experts, k, renorm in [(1, 320, 16, True), (5, 20, 4, True), (3, 8, 8, False), (2, 300, 2, True)]:
