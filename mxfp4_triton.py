@@ -29,7 +29,6 @@ it (not stacked on the activations' device) so that the block falls back to its 
 `stack_experts`, which the block calls at load and after a move (never in a forward); its reference reads them too.
 """
 
-import contextlib
 import os
 from collections import namedtuple
 
@@ -57,16 +56,9 @@ CONFIGS = {
 # Pairs per expert (on average) at or below which the decode configuration is used.
 DECODE_MAX_PAIRS_PER_EXPERT = 4
 # Pairs per expert (on average) from which a prompt's experts are upcast once and run as grouped bf16 GEMMs
-# (`run_experts_upcast_once`, SM90+), and the most bf16 weights a chunk of its experts takes (two chunks are held
-# at once where the next is upcast beside the GEMMs, see UPCAST_BESIDE).
+# (`run_experts_upcast_once`, SM90+), and the most bf16 weights that path holds at once.
 UPCAST_ONCE_MIN_PAIRS_PER_EXPERT = 256
 UPCAST_ONCE_CHUNK_BYTES = 2 << 30
-# Prompts' expert upcasts beside the grouped GEMMs (`run_experts_upcast_once`): while a chunk's GEMMs run, the next
-# chunk's upcast runs on a second stream as `sms` programs of `warps` warps, `rows` pack rows a step, and the GEMMs
-# leave that many SMs to it (torch's SM carve-out, which its grouped GEMM honours). sms=0: upcast and GEMMs take
-# turns on the caller's stream.
-UPCAST_BESIDE = dict(sms=24, warps=16, rows=8)
-_SIDE_STREAMS = {}  # the second stream, one per device
 # True: the w2 kernel adds weight * y into an fp32 [N, L] buffer atomically (one pass, order not fixed);
 # False: it stores per-pair rows and torch sums them (deterministic).
 ATOMIC_COMBINE = False
@@ -380,27 +372,22 @@ if triton is not None:
         return tl.where(sign != 0, bits | 0x8000, bits)
 
     @triton.jit
-    def _dequant_kernel(w_ptr, s_ptr, out_ptr, total_rows, HALF: tl.constexpr, ROWS: tl.constexpr,
-                        OUT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
-        """Programs stride over the pack rows, BLOCK_R rows x BLOCK bytes a step: bf16 values E2M1 * 2^(code - 127),
-        the reference's (exact: the fp32 product of a 2-bit significand and a power of two is a bf16 number), each
-        byte's two values stored as one int32 word (element 2j in the low half). Row r of a stack of experts with
-        ROWS rows each lands in row (r // ROWS) * OUT_ROWS + r % ROWS of the output, so w1 and w3 can fill the two
-        halves of one buffer. A program per row spreads over the whole GPU; a few programs of many rows each stay
-        on as many SMs, leaving the others to a GEMM running beside them."""
+    def _dequant_kernel(w_ptr, s_ptr, out_ptr, HALF: tl.constexpr, ROWS: tl.constexpr, OUT_ROWS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """One program per (pack row, BLOCK bytes): bf16 values E2M1 * 2^(code - 127), the reference's (exact: the
+        fp32 product of a 2-bit significand and a power of two is a bf16 number), each byte's two values stored as
+        one int32 word (element 2j in the low half). Row r of a stack of experts with ROWS rows each lands in row
+        (r // ROWS) * OUT_ROWS + r % ROWS of the output, so w1 and w3 can fill the two halves of one buffer."""
+        row = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        first = tl.program_id(0) * BLOCK_R
-        while first < total_rows:
-            row = (first + tl.arange(0, BLOCK_R)).to(tl.int64)
-            mask = (row < total_rows)[:, None] & (j < HALF)[None, :]
-            packed = tl.load(w_ptr + row[:, None] * HALF + j[None, :], mask=mask, other=0).to(tl.int32)
-            code = tl.load(s_ptr + row[:, None] * (HALF // 16) + j[None, :] // 16, mask=mask, other=127).to(tl.int32)
-            scale = tl.where(code == 0, 0x400000, code << 23).to(tl.float32, bitcast=True)  # code 0: 2^-127
-            lo = _bf16_bits(_e2m1(packed & 7) * scale, packed & 8)
-            hi = _bf16_bits(_e2m1((packed >> 4) & 7) * scale, packed & 128)
-            out_row = row // ROWS * OUT_ROWS + row % ROWS
-            tl.store(out_ptr + out_row[:, None] * HALF + j[None, :], lo | (hi << 16), mask=mask)
-            first += tl.num_programs(0) * BLOCK_R
+        mask = j < HALF
+        packed = tl.load(w_ptr + row * HALF + j, mask=mask, other=0).to(tl.int32)
+        code = tl.load(s_ptr + row * (HALF // 16) + j // 16, mask=mask, other=127).to(tl.int32)
+        scale = tl.where(code == 0, 0x400000, code << 23).to(tl.float32, bitcast=True)  # code 0: 2^-127, subnormal
+        lo = _bf16_bits(_e2m1(packed & 7) * scale, packed & 8)
+        hi = _bf16_bits(_e2m1((packed >> 4) & 7) * scale, packed & 128)
+        out_row = row // ROWS * OUT_ROWS + row % ROWS
+        tl.store(out_ptr + out_row * HALF + j, lo | (hi << 16), mask=mask)
 
     @triton.jit
     def _weighted_scatter_kernel(out_ptr, pairs_ptr, weight_ptr, terms_ptr, L: tl.constexpr, BLOCK: tl.constexpr):
@@ -502,28 +489,17 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     return y.view(tokens, top_k, latent) if per_pair else y.view(tokens, top_k, latent).sum(1)
 
 
-def dequantize(packed, scale, out=None, out_rows=None, beside=None):
+def dequantize(packed, scale, out=None, out_rows=None):
     """bf16 values of MXFP4 packs [..., R, K/2] with E8M0 codes [..., R, K/32], as `mxfp4.dequantize_unchecked`
     computes them (bit for bit). `out` [..., out_rows, K] (a view whose rows are contiguous, e.g. one half of a
-    [E, 2 * inner, L] buffer) receives pack row r of group g at its row r of group g; default a new [..., R, K].
-    With `beside` (an UPCAST_BESIDE-like dict) it runs as `beside["sms"]` programs of that shape, to stay on as
-    many SMs while a GEMM runs on the others; else as one 2-warp program per row (a release row of 1792 or 1536
-    bytes a program: 3.1 TB/s against 2.9 at 1024 bytes, bench/results/prefill_20/explore_call4.json)."""
+    [E, 2 * inner, L] buffer) receives pack row r of group g at its row r of group g; default a new [..., R, K]."""
     rows, half = packed.shape[-2:]
     if out is None:
         out = torch.empty(*packed.shape[:-1], 2 * half, dtype=torch.bfloat16, device=packed.device)
     out_rows = out.shape[-2] if out_rows is None else out_rows
-    total = packed.numel() // half
-    block = min(2048, triton.next_power_of_2(half))
-    if beside is None:
-        programs, block_r, warps = total, 1, 2
-    else:
-        block_r, warps = beside["rows"], beside["warps"]
-        programs = min(beside["sms"], triton.cdiv(total, block_r))
-    if total:
-        _dequant_kernel[(programs, triton.cdiv(half, block))](
-            packed, scale, out.view(torch.int32), total, HALF=half, ROWS=rows, OUT_ROWS=out_rows, BLOCK_R=block_r,
-            BLOCK=block, num_warps=warps)
+    block = min(2048, triton.next_power_of_2(half))  # a release row (1792 or 1536 bytes) a program: 3.1 TB/s
+    _dequant_kernel[(packed.numel() // half, triton.cdiv(half, block))](  # against 2.9 at 1024 (explore_call4)
+        packed, scale, out.view(torch.int32), HALF=half, ROWS=rows, OUT_ROWS=out_rows, BLOCK=block, num_warps=2)
     return out
 
 
@@ -544,12 +520,11 @@ def situ_glu(gate, up, beta, linear_beta):
     return out.view(shape)
 
 
-def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_beta, chunk_bytes=None, beside=None):
+def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_beta, chunk_bytes=None):
     """The per-pair terms `weights[:, k] * expert_{ids[:, k]}(z)`, fp32 [N, k, L], for prompts: each expert's packs
     are upcast to bf16 once per call (`dequantize`, a chunk of experts at a time, at most `chunk_bytes` of bf16
     weights), then every expert runs on its own rows in one grouped bf16 GEMM per projection (`torch._grouped_mm`,
-    the pairs sorted by expert), the upcast's cost shared by all of an expert's tokens. On a GPU the next chunk's
-    upcast runs beside the current chunk's GEMMs (`beside`, default UPCAST_BESIDE; see there). The numerics are the
+    the pairs sorted by expert), the upcast's cost shared by all of an expert's tokens. The numerics are the
     reference's (`KimiK3LatentMoE.packed_experts`): bf16 matmul outputs, SiTU-GLU in fp32, each expert's output
     rounded to bf16 before its fp32 weighting. Pairs with id `num_experts` (another rank's) give zero terms.
     One host read of the per-expert counts (the chunks' row ranges): not for CUDA-graph capture."""
@@ -564,91 +539,27 @@ def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_be
     terms = fill(tokens * top_k, latent, dtype=torch.float32, device=z.device)
     flat_weights = weights.reshape(-1).float().contiguous()
     step = max(1, chunk_bytes // (3 * latent * inner * 2))
-    chunks = [(first, counts[first : first + step]) for first in range(0, num_experts, step)]
-    chunks = [(first, sizes) for first, sizes in chunks if sum(sizes)]
-    upcasts = _ChunkUpcasts(stack, chunks, min(step, num_experts), z.device, beside)
+    w13 = torch.empty(min(step, num_experts), 2 * inner, latent, dtype=torch.bfloat16, device=z.device)
+    w2 = torch.empty(min(step, num_experts), latent, inner, dtype=torch.bfloat16, device=z.device)
     start = 0
-    for i, (first, sizes) in enumerate(chunks):
+    for first in range(0, num_experts, step):
+        sizes = counts[first : first + step]
         rows = sum(sizes)
-        w13, w2 = upcasts.ready(i)  # and the next chunk's upcast started beside what follows
+        if not rows:
+            continue
+        group = slice(first, first + len(sizes))
+        dequantize(stack.w1[group], stack.s1[group], w13[: len(sizes), :inner], out_rows=2 * inner)
+        dequantize(stack.w3[group], stack.s3[group], w13[: len(sizes), inner:], out_rows=2 * inner)
+        dequantize(stack.w2[group], stack.s2[group], w2[: len(sizes)])
         ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=z.device, dtype=torch.int32)
-        with upcasts.gemms(i):
-            h = torch._grouped_mm(x[start : start + rows], w13[: len(sizes)].transpose(1, 2), offs=ends)
-            act = situ_glu(h[:, :inner], h[:, inner:], beta, linear_beta)
-            out = torch._grouped_mm(act, w2[: len(sizes)].transpose(1, 2), offs=ends)
+        h = torch._grouped_mm(x[start : start + rows], w13[: len(sizes)].transpose(1, 2), offs=ends)
+        act = situ_glu(h[:, :inner], h[:, inner:], beta, linear_beta)
+        out = torch._grouped_mm(act, w2[: len(sizes)].transpose(1, 2), offs=ends)
         block = min(1024, triton.next_power_of_2(latent))
         _weighted_scatter_kernel[(rows, triton.cdiv(latent, block))](
             out, order[start : start + rows], flat_weights, terms, L=latent, BLOCK=block, num_warps=4)
-        upcasts.done(i)
         start += rows
     return terms.view(tokens, top_k, latent)
-
-
-class _ChunkUpcasts:
-    """The bf16 weights of `run_experts_upcast_once`'s chunks of experts: in turn on the caller's stream, or, where
-    `beside` has SMs, the GPU can carve them out and there is more than one chunk, one chunk ahead on a second
-    stream into two sets of buffers (the first chunk on the whole GPU, nothing else to run yet)."""
-
-    def __init__(self, stack, chunks, experts, device, beside):
-        beside = UPCAST_BESIDE if beside is None else beside
-        self.stack, self.chunks = stack, chunks
-        can_carve = hasattr(torch._C, "_set_sm_carveout_experimental") and torch.device(device).type == "cuda"
-        self.beside = beside if beside["sms"] > 0 and can_carve and len(chunks) > 1 else None
-        self.buffers = [(torch.empty(experts, 2 * stack.inner, stack.latent, dtype=torch.bfloat16, device=device),
-                         torch.empty(experts, stack.latent, stack.inner, dtype=torch.bfloat16, device=device))
-                        for _ in range(2 if self.beside else 1)]
-        if self.beside:
-            self.main = torch.cuda.current_stream(device)
-            if device not in _SIDE_STREAMS:
-                _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-            self.side = _SIDE_STREAMS[device]
-            self.side.wait_stream(self.main)
-            self.released = [None, None]
-            self.upcast_events = [self._beside(0, None)]
-
-    def _upcast(self, i, beside):
-        (first, sizes), (w13, w2) = self.chunks[i], self.buffers[i % len(self.buffers)]
-        n, inner, stack = len(sizes), self.stack.inner, self.stack
-        group = slice(first, first + n)
-        dequantize(stack.w1[group], stack.s1[group], w13[:n, :inner], out_rows=2 * inner, beside=beside)
-        dequantize(stack.w3[group], stack.s3[group], w13[:n, inner:], out_rows=2 * inner, beside=beside)
-        dequantize(stack.w2[group], stack.s2[group], w2[:n], beside=beside)
-
-    def _beside(self, i, beside):
-        """Chunk i's upcast on the side stream, once chunk i - 2's GEMMs are done with its buffers."""
-        with torch.cuda.stream(self.side):
-            if self.released[i % 2] is not None:
-                self.side.wait_event(self.released[i % 2])
-            self._upcast(i, beside)
-            return self.side.record_event()
-
-    def ready(self, i):
-        """Chunk i's buffers (w13, w2), upcast before anything the caller queues next; starts chunk i + 1's."""
-        if not self.beside:
-            self._upcast(i, None)
-        else:
-            if i + 1 < len(self.chunks):
-                self.upcast_events.append(self._beside(i + 1, self.beside))
-            self.main.wait_event(self.upcast_events[i])
-        return self.buffers[i % len(self.buffers)]
-
-    @contextlib.contextmanager
-    def gemms(self, i):
-        """Around chunk i's GEMMs: they leave the SMs of the upcast running beside them."""
-        if not self.beside or i + 1 == len(self.chunks):
-            yield
-            return
-        before = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(self.beside["sms"])
-        try:
-            yield
-        finally:
-            torch._C._set_sm_carveout_experimental(before)
-
-    def done(self, i):
-        """Chunk i's buffers are free again once what the caller has queued so far has run."""
-        if self.beside:
-            self.released[i % 2] = self.main.record_event()
 
 
 def routed_experts(moe, z, ids, weights):

@@ -144,10 +144,6 @@ def record_moe(text):
             assert pairs is not None and pairs.dtype == torch.float32
         moe.normed_sum(torch.randn(tokens, text.num_experts_per_token, text.routed_expert_hidden_size), z.dtype,
                        fused=True)
-    # a GPU upcasts a prompt's next chunk of experts beside the GEMMs (on a second stream, which the CPU lacks): the
-    # launches of that upcast, from the path's own code
-    upcasts = mxfp4_triton._ChunkUpcasts(moe.stack_experts(), [(0, [1, 1]), (2, [1, 1])], 2, "cpu", None)
-    upcasts._upcast(1, mxfp4_triton.UPCAST_BESIDE)
 
 
 def record_attn_res_mix(text):

@@ -9,6 +9,10 @@ routing, on the H200:
   * one chunk's w13 grouped GEMM with and without an SM carve-out (does torch's grouped GEMM honour it?).
 
     python bench/results/prefill_20/explore_beside.py  -> explore_call5.json here (or under $OUT where set)
+
+It ran on tree 91b4c0f, whose `run_experts_upcast_once` and `dequantize` took a `beside` argument; the next commit
+took that path out (it was slower), so on later trees this script no longer runs. `prefill_beside.*` is
+bench/prefill.py --quick on that tree.
 """
 
 import json
