@@ -497,9 +497,11 @@ def dequantize(packed, scale, out=None, out_rows=None):
     if out is None:
         out = torch.empty(*packed.shape[:-1], 2 * half, dtype=torch.bfloat16, device=packed.device)
     out_rows = out.shape[-2] if out_rows is None else out_rows
-    block = min(2048, triton.next_power_of_2(half))  # a release row (1792 or 1536 bytes) a program: 3.1 TB/s
-    _dequant_kernel[(packed.numel() // half, triton.cdiv(half, block))](  # against 2.9 at 1024 (explore_call4)
-        packed, scale, out.view(torch.int32), HALF=half, ROWS=rows, OUT_ROWS=out_rows, BLOCK=block, num_warps=2)
+    # a release row (1792 or 1536 bytes) a one-warp program: w1 3.18, w2 3.27 TB/s against 3.07 / 2.69 at 2 warps
+    # (bench/results/prefill_20/explore_call6.json; 1024-byte blocks were slower, explore_call4)
+    block = min(2048, triton.next_power_of_2(half))
+    _dequant_kernel[(packed.numel() // half, triton.cdiv(half, block))](
+        packed, scale, out.view(torch.int32), HALF=half, ROWS=rows, OUT_ROWS=out_rows, BLOCK=block, num_warps=1)
     return out
 
 
