@@ -12,6 +12,8 @@ moving bytes. Each kernel here replaces one such chain with the same fp32 math:
     renormalised and scaled (torch: ~8 kernels; here 1);
   * `pair_sum_norm`: the LatentMoE's sum of its per-(token, slot) expert outputs, rounded to the activation dtype,
     and the RMSNorm after it (torch: 3 kernels; here 1);
+  * `gated_rms_norm`: KDA's per-head output norm times its sigmoid gate (torch: a cast, the norm, the sigmoid and
+    the product, 4 kernels; here 1; at a prompt, fla's fp32 output is read once instead of four passes);
   * `latent_attention`: MLA's one-query attention in the latent space, split over the cached keys (flash
     decoding: each program an online softmax over its keys, one more kernel combining them), reading only the keys
     up to the query's position, which it takes from device memory, so a static cache's unfilled tail costs nothing
@@ -157,6 +159,21 @@ if triton is not None:
             y = (r * rstd * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * L + offs, y, mask=mask)
 
+
+    @triton.jit
+    def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, rows, eps, D: tl.constexpr, BLOCK_R: tl.constexpr):
+        """BLOCK_R rows of D values a program: x rounded to the output dtype, its RMSNorm in fp32 times the weight,
+        rounded; sigmoid(g) in fp32, rounded; their product, rounded (the torch code's roundings)."""
+        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs = row[:, None] * D + tl.arange(0, D)[None, :]
+        mask = (row < rows)[:, None]
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
+        y = (x * rstd[:, None] * w[None, :]).to(dtype).to(tl.float32)
+        gate = tl.sigmoid(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(out_ptr + offs, (y * gate).to(dtype), mask=mask)
 
     @triton.jit
     def _latent_split_keys(pos_ptr, NS, STEP: tl.constexpr):
@@ -326,6 +343,23 @@ def pair_sum_norm(pairs, weight, eps, dtype):
     _pair_sum_norm_kernel[(rows,)](pairs, pairs if weight is None else weight, out, width, float(eps), K=top_k,
                                    BLOCK_L=block, NORM=weight is not None, num_warps=4 if block <= 4096 else 8)
     return out
+
+
+def gated_rms_norm(x, gate, weight, eps, dtype):
+    """`RMSNorm(x in dtype) * sigmoid(gate)` over the last dim D (a power of two), x and gate [..., D] (x in any
+    float dtype, gate in `dtype`), returned in `dtype`; None where D is not a power of two."""
+    width = x.shape[-1]
+    if width & (width - 1):
+        return None
+    shape = x.shape
+    x, gate = x.reshape(-1, width).contiguous(), gate.reshape(-1, width).contiguous()
+    rows = x.shape[0]
+    out = torch.empty(rows, width, dtype=dtype, device=x.device)
+    block_r = max(1, 4096 // width)
+    if rows:
+        _gated_rms_norm_kernel[(triton.cdiv(rows, block_r),)](x, gate, weight, out, rows, float(eps), D=width,
+                                                              BLOCK_R=block_r, num_warps=4)
+    return out.view(shape)
 
 
 def router_topk(logits, bias, top_k, renormalize, scaling):

@@ -32,6 +32,7 @@ try:
     from .fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
     from .fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
     from .fused_triton import latent_attention as fused_latent_attention, short_conv as fused_short_conv
+    from .fused_triton import gated_rms_norm as fused_gated_rms_norm
     from .kda import kda_forward, supported as fla_supported
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
@@ -42,6 +43,7 @@ except ImportError:  # imported from the repository root rather than as transfor
     from fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
     from fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
     from fused_triton import latent_attention as fused_latent_attention, short_conv as fused_short_conv
+    from fused_triton import gated_rms_norm as fused_gated_rms_norm
     from kda import kda_forward, supported as fla_supported
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
@@ -185,10 +187,10 @@ def on_input_device(kernel):
     return launch
 
 
-(fused_attn_res_mix, fused_latent_attention, fused_short_conv, fused_pair_sum_norm, fused_router_topk, fused_situ_glu,
- kda_forward, triton_routed_experts) = map(on_input_device, (fused_attn_res_mix, fused_latent_attention,
-                                                             fused_short_conv, fused_pair_sum_norm, fused_router_topk,
-                                                             fused_situ_glu, kda_forward, triton_routed_experts))
+(fused_attn_res_mix, fused_gated_rms_norm, fused_latent_attention, fused_short_conv, fused_pair_sum_norm,
+ fused_router_topk, fused_situ_glu, kda_forward, triton_routed_experts) = map(on_input_device, (
+    fused_attn_res_mix, fused_gated_rms_norm, fused_latent_attention, fused_short_conv, fused_pair_sum_norm,
+    fused_router_topk, fused_situ_glu, kda_forward, triton_routed_experts))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -378,9 +380,9 @@ class KimiK3DeltaAttention(nn.Module):
 
     def gate_inputs(self, x):
         """What the delta rule's gates are made of: the decay's low-rank input [B, T, heads, dim], beta's input
-        [B, T, heads] and the sigmoid output gate [B, T, heads, dim]."""
+        [B, T, heads] and the output gate's logits [B, T, heads, dim] (its sigmoid is taken in `gated_norm`)."""
         heads = (*x.shape[:2], self.num_heads, self.head_dim)
-        return self.f_b_proj(self.f_a_proj(x)).view(heads), self.b_proj(x), torch.sigmoid(self.g_proj(x)).view(heads)
+        return self.f_b_proj(self.f_a_proj(x)).view(heads), self.b_proj(x), self.g_proj(x).view(heads)
 
     def qkv(self, x, own, fast):
         """q, k, v projected and through their short convs (histories from the cache layer `own`); returns
@@ -394,7 +396,7 @@ class KimiK3DeltaAttention(nn.Module):
         """The gated delta rule over the convolved q, k, v from `own`'s recurrent state (both states written back
         to `own`), then the gated per-head RMSNorm and the output projection."""
         (q, k, v), conv_states = qkv
-        g_raw, beta_raw, out_gate = gates
+        g_raw, beta_raw, gate_logits = gates
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
         # fla-core's chunked kernel for prompts where kda_prefill is on (and for training: it has a backward), else
@@ -404,8 +406,17 @@ class KimiK3DeltaAttention(nn.Module):
                                self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
                                own.recurrent_state, in_place=own.in_place, kernel=kernel)
         own.update(conv_states, state)
-        o = self.o_norm(o.to(x.dtype)) * out_gate
-        return self.o_proj(o.reshape(batch, length, -1))
+        return self.o_proj(self.gated_norm(o, gate_logits, x.dtype, fast.fused).reshape(batch, length, -1))
+
+    def gated_norm(self, o, gate_logits, dtype, fused=False):
+        """The per-head output `o_norm(o) * sigmoid(gate)` in `dtype`, o rounded to it first: with `fused` one
+        kernel (`fused_triton.gated_rms_norm`, the same roundings), else the torch ops."""
+        norm = self.o_norm
+        if fused and norm.weight.device == o.device:  # not offloaded (see attn_res_mix)
+            out = fused_gated_rms_norm(o, gate_logits, norm.weight, norm.variance_epsilon, dtype)
+            if out is not None:
+                return out
+        return norm(o.to(dtype)) * torch.sigmoid(gate_logits)
 
     def short_convs(self, projected, conv_states, in_place, fused=False, fused_dtype=None):
         """q, k, v through their short convs: returns ((q, k, v), new conv histories). With `fused` one kernel a

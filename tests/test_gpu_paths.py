@@ -22,8 +22,8 @@ import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
-    BlockBank, KimiK3AttnResProj, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix,
-    use_fast_paths)
+    BlockBank, KimiK3AttnResProj, KimiK3DeltaAttention, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm,
+    KimiK3StaticCache, attn_res_mix, use_fast_paths)
 from reap_tools.tiny import random_model, tiny_config  # noqa: E402
 
 RUN_EXPERTS = mxfp4_triton.run_experts
@@ -174,6 +174,23 @@ def test_fused_pair_sum_norm_matches_the_torch_code():
         got = fused_triton.pair_sum_norm(pairs, norm.weight, norm.variance_epsilon, torch.bfloat16)
         ref = norm(pairs.sum(1).to(torch.bfloat16))
     assert rel(got, ref) < 2 ** -8  # a bf16 ulp where the slot sums round differently
+
+
+@pytest.mark.parametrize("tokens,o_dtype", [(1, torch.bfloat16), (300, torch.float32)])
+def test_fused_gated_norm_matches_the_torch_code(tokens, o_dtype):
+    """KDA's output norm times its sigmoid gate at the release's heads (96 x 128): fla's output at a decode step
+    (bf16) and at a prompt (fp32), one kernel against the block's torch ops."""
+    config = tiny_config(hidden_size=64, linear_attn_config=dict(num_heads=96, head_dim=128, full_attn_layers=[3, 6],
+                                                                kda_layers=[1, 2, 4, 5])).text_config
+    attn = KimiK3DeltaAttention(config, 0).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        attn.o_norm.weight.uniform_(0.5, 1.5)
+        o = torch.randn(1, tokens, 96, 128, device=DEVICE).to(o_dtype)
+        gate = torch.randn(1, tokens, 96, 128, device=DEVICE).mul_(3).to(torch.bfloat16)
+        got = attn.gated_norm(o, gate, torch.bfloat16, fused=True)
+        ref = attn.gated_norm(o, gate, torch.bfloat16)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert max_rel(got, ref) <= 2 ** -7  # an ulp of the norm where the sums of squares round differently
 
 
 def routed_case(moe, tokens):

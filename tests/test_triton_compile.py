@@ -160,7 +160,8 @@ def record_attn_res_mix(text):
 
 
 def record_short_convs(text):
-    """KDA's short convs at prefill (no history), and at decode with a growing and with a static cache's state."""
+    """KDA's short convs at prefill (no history), and at decode with a growing and with a static cache's state; its
+    output norm times the gate at prefill and decode."""
     with torch.device("meta"):
         attn = KimiK3DeltaAttention(text, layer_idx=0)
     for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
@@ -177,6 +178,11 @@ def record_short_convs(text):
     layer = cache.layers[0]
     layer.update(histories, torch.zeros(1, attn.num_heads, attn.head_dim, attn.head_dim))
     attn.short_convs(projected(1), layer.conv_states, layer.in_place, fused=True)
+    attn.o_norm = attn.o_norm.to_empty(device="cpu").to(torch.bfloat16)
+    heads = (1, 7, attn.num_heads, attn.head_dim)  # a prompt's fp32 output (fla's chunked kernel), a decode step's bf16
+    attn.gated_norm(torch.randn(heads), torch.randn(heads).to(torch.bfloat16), torch.bfloat16, fused=True)
+    attn.gated_norm(torch.randn(heads[:1] + (1,) + heads[2:]).to(torch.bfloat16),
+                    torch.randn(heads[:1] + (1,) + heads[2:]).to(torch.bfloat16), torch.bfloat16, fused=True)
 
 
 def record_latent_attention(text):

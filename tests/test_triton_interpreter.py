@@ -186,6 +186,21 @@ FUSED_SCRIPT = textwrap.dedent(
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         assert out.shape == (rows, width) and err < 1e-6, ("pair sum", rows, k, width, err)
 
+    # KDA's output norm times its sigmoid gate, from fp32 (a prompt's fla output) and bf16, against the torch ops
+    for shape, x_dtype, dtype in [((2, 3, 4, 64), torch.float32, torch.bfloat16), ((1, 1, 2, 32), torch.bfloat16,
+                                  torch.bfloat16), ((1, 5, 3, 16), torch.float32, torch.float32)]:
+        norm = KimiK3RMSNorm(shape[-1]).to(dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        x, gate = torch.randn(shape).to(x_dtype), torch.randn(shape).mul_(3).to(dtype)
+        out = fused_triton.gated_rms_norm(x, gate, norm.weight, norm.variance_epsilon, dtype)
+        ref = (norm(x.to(dtype)) * torch.sigmoid(gate)).double()
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -6  # bf16: roundings truncated here
+        assert out.shape == shape and out.dtype == dtype and err < tol, ("gated norm", shape, err)
+    assert fused_triton.gated_rms_norm(torch.zeros(1, 48), torch.zeros(1, 48), torch.ones(48), 1e-5,
+                                       torch.float32) is None  # not a power of two
+
     # in the model: a static cache's prefill + decode steps with the fused kernels vs the torch code
     from modeling_kimi_k3 import KimiK3StaticCache, use_fast_paths
     from reap_tools.tiny import random_model, tiny_config
