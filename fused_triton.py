@@ -302,7 +302,9 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
     dtype."""
     batch, heads, width = q.shape
     keys, rope = latent.shape[1], width - latent_width
-    q, latent = q.contiguous(), latent.contiguous()
+    q = q.contiguous()
+    if latent.stride(-1) != 1 or latent.stride(-2) != latent.shape[-1]:  # rows may be apart (a growing cache's view)
+        latent = latent.contiguous()
     if key_mask is not None and key_mask.stride(-1) != 1:
         key_mask = key_mask.contiguous()
     config = LATENT_CONFIG

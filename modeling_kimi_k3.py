@@ -964,13 +964,28 @@ class KimiK3DeltaCacheLayer(KimiK3CacheLayer):
 
 
 class KimiK3LatentCacheLayer(KimiK3CacheLayer):
-    """An MLA layer's compressed latents [B, T, kv_lora_rank + qk_rope_head_dim], grown by concatenation."""
+    """An MLA layer's compressed latents [B, T, kv_lora_rank + qk_rope_head_dim]: `latent` is the filled front of a
+    buffer with room to grow, so a decode step writes its own token where concatenation would copy every cached one
+    (at 131k cached tokens that copy was 0.7 ms of a 53 ms step over 24 layers). When full, the buffer is replaced by
+    one a quarter longer than needed (a copy every ~T/4 tokens: amortised O(1) a token)."""
 
     _fields = ("latent",)
+    _buffer = None  # the storage `latent` is the front of, where it still is (a reorder or reset makes a new one)
 
     def update(self, latent, positions):
         """Append the new tokens' latents; returns all of this layer's keys [B, keys, width]."""
-        self.latent = latent if self.latent is None else torch.cat([self.latent, latent], dim=1)
+        if self.latent is None:  # a prompt's latents are kept as they come; the first step makes room
+            self.latent = self._buffer = latent
+            return latent
+        cached, total = self.latent.shape[1], self.latent.shape[1] + latent.shape[1]
+        buffer = self._buffer
+        if not (buffer is not None and buffer.data_ptr() == self.latent.data_ptr()
+                and buffer.stride() == self.latent.stride() and buffer.shape[1] >= total):
+            buffer = self.latent.new_empty(self.latent.shape[0], total + max(64, total // 4), self.latent.shape[2])
+            buffer[:, :cached] = self.latent
+            self._buffer = buffer
+        buffer[:, cached:total] = latent
+        self.latent = buffer[:, :total]
         return self.latent
 
 

@@ -4,7 +4,7 @@ its filled keys (CPU, fp32, tiny random models)."""
 import pytest
 import torch
 
-from modeling_kimi_k3 import KimiK3Cache, KimiK3StaticCache
+from modeling_kimi_k3 import KimiK3Cache, KimiK3LatentCacheLayer, KimiK3StaticCache
 from reap_tools.tiny import random_model, tiny_config
 
 PROMPT = torch.tensor([[7, 41, 300, 2, 99, 18, 5, 260, 33, 12, 71],
@@ -41,9 +41,9 @@ def test_chunked_prefill_gives_the_one_piece_outputs_and_cache(model, chunk, sta
     assert torch.equal(tokens, whole_tokens)
     assert cache.get_seq_length() == whole_cache.get_seq_length() == PROMPT.shape[1]
     for got, want in zip(cache.layers, whole_cache.layers):
-        for a, b in zip(vars(got).values(), vars(want).values()):
-            if isinstance(a, torch.Tensor):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert len(got.tensors()) == len(want.tensors())
+        for a, b in zip(got.tensors(), want.tensors()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_chunks_are_what_the_layers_see(model):
@@ -76,3 +76,25 @@ def test_a_static_cache_prefill_expands_only_the_filled_keys(model, monkeypatch)
     finally:
         model.language_model.model.prefill_chunk_size = type(model.language_model.model).prefill_chunk_size
     assert expanded and set(expanded) == {prompt.shape[1]}
+
+
+def test_a_growing_cache_writes_decode_steps_into_room_it_keeps():
+    """An MLA layer's growing cache returns what concatenation would, keeps a prompt as given, copies its keys only
+    when its room runs out (a quarter more than needed, at least 64 tokens), and starts anew after a reorder."""
+    layer, prompt = KimiK3LatentCacheLayer(), torch.randn(2, 10, 8)
+    assert layer.update(prompt, None) is prompt
+    added, buffers = [], []
+    for _ in range(300):
+        added.append(torch.randn(2, 1 + len(added) % 3, 8))
+        keys = layer.update(added[-1], None)
+        buffers.append(layer._buffer)  # kept alive, so distinct buffers are distinct objects
+        assert torch.equal(keys, torch.cat([prompt] + added, 1))
+        assert keys.data_ptr() == layer._buffer.data_ptr() and layer.tensors()[0] is keys
+    # 8 buffers for the 600 tokens after the prompt's (growing by 64 tokens, then by a quarter), the last a quarter
+    # longer than it needs at most
+    assert len({id(b) for b in buffers}) == 8 and 610 <= buffers[-1].shape[1] <= 610 * 5 // 4 + 64
+    layer.reorder_cache(torch.tensor([1, 0]))
+    step = torch.randn(2, 1, 8)
+    assert torch.equal(layer.update(step, None), torch.cat([torch.cat([prompt] + added, 1)[[1, 0]], step], 1))
+    layer.reset()
+    assert not layer.tensors() and layer.update(prompt, None) is prompt

@@ -243,7 +243,8 @@ LATENT_SCRIPT = textwrap.dedent(
     for rows, heads, width, rope, keys, position, padded in [(2, 4, 16, 4, 40, 30, True), (1, 5, 32, 8, 7, 6, False),
                                                              (2, 40, 64, 16, 300, 299, True),
                                                              (1, 3, 16, 4, 1000, 3, False)]:
-        q, latent = torch.randn(rows, heads, width + rope), torch.randn(rows, keys, width + rope)
+        q = torch.randn(rows, heads, width + rope)
+        latent = torch.randn(rows, keys + 5, width + rope)[:, :keys]  # a growing cache's keys: the rows are apart
         key_mask = torch.rand(rows, keys + 2) > 0.3 if padded else None
         got = fused_triton.latent_attention(q, latent, torch.tensor([position]), key_mask, 0.1, width)
         err = (got.double() - reference(q, latent, position, key_mask, 0.1, width)).abs().max().item()
