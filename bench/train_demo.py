@@ -29,8 +29,10 @@ experts top-8 in a latent of 128 (= H / 2) with moe_intermediate 128, 2 shared e
 Training runs the model's own bf16-expert mode (config without quantization_config): bf16 parameters (A_log,
 dt_bias and the router bias stay fp32, as the model keeps them), fp32 master weights in a fused AdamW, one sequence
 length (512), 85 % of each batch from Python source and 15 % from prose. Autograd runs the torch KDA (`--kda
-torch`, the default) or fla's chunked kernel (`--kda fla`; the model's dispatch gives training only paths with a
-backward). The router bias gets no gradient (noaux_tc); it is updated after each step by the aux-loss-free rule
+torch`, the default), its batched form `wy_chunk_kda` (`--kda wy`: the same values, without the reference's
+pairwise-decay tensors, which were most of a step on the H200; not yet run there) or fla's chunked kernel (`--kda
+fla`; the model's dispatch gives training only paths with a backward). `--shape` trains another size of the same
+design (a JSON object over DEMO_SHAPE). The router bias gets no gradient (noaux_tc); it is updated after each step by the aux-loss-free rule
 (bias += u * sign(mean load - expert load)). The learning rate warms up over 40 steps, then the step time is
 measured and the run is sized to `--seconds`: warmup-stable-decay (`lr_at`), with `--state` saving a resumable state
 at the decay's start and `--resume` continuing it. `--moe grouped` swaps, for training only, the expert loop of
@@ -60,10 +62,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import kda  # noqa: E402
 import mxfp4  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3LatentMoE, KimiK3Router, use_fast_paths  # noqa: E402
@@ -117,10 +121,15 @@ DEMO_SHAPE = dict(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def demo_config(num_ranks: int) -> KimiK3Config:
-    """The demo's config for a vocabulary of `num_ranks` BPE ranks (+ 256 specials), routed experts in bf16."""
+def demo_config(num_ranks: int, shape: str | None = None) -> KimiK3Config:
+    """The demo's config for a vocabulary of `num_ranks` BPE ranks (+ 256 specials), routed experts in bf16;
+    `shape`, a JSON object (`--shape`), overrides DEMO_SHAPE's keys to train another size of the same design."""
     ids = dict(bos_token_id=num_ranks, eos_token_id=num_ranks + 2, pad_token_id=num_ranks + NUM_SPECIALS - 1)
-    text = dict(DEMO_SHAPE, vocab_size=num_ranks + NUM_SPECIALS, **ids)
+    overrides = json.loads(shape) if shape else {}
+    unknown = sorted(set(overrides) - set(DEMO_SHAPE))
+    if unknown:
+        raise SystemExit(f"--shape: keys {unknown} are not in DEMO_SHAPE ({', '.join(DEMO_SHAPE)})")
+    text = dict(DEMO_SHAPE, **overrides, vocab_size=num_ranks + NUM_SPECIALS, **ids)
     return KimiK3Config(text_config=text, quantization_config=None, auto_map=dict(AUTO_MAP), **ids)
 
 
@@ -174,6 +183,79 @@ def use_moe(kind: str):
     if not hasattr(KimiK3LatentMoE, "_stock_forward"):
         KimiK3LatentMoE._stock_forward = KimiK3LatentMoE.forward
     KimiK3LatentMoE.forward = grouped_moe_forward if kind == "grouped" else KimiK3LatentMoE._stock_forward
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training-only KDA (same math as kda.chunk_kda)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+WY_CHUNK = 16  # tokens per chunk: WY_CHUNK * |gate_lower_bound| <= 80 keeps e^{+-G} inside fp32's normal range
+
+
+def wy_chunk_kda(q, k, v, g, beta, scale, initial_state=None):
+    """`kda.chunk_kda` for training: the same chunked WY/UT form, its pairwise decays factored and every chunk's
+    intra-chunk work batched.
+
+    The reference builds e^{G_t - G_s} for every pair of a chunk and key channel (a [C, C, K] tensor a chunk) and
+    loops over chunks; under autograd those tensors and their elementwise backward were most of a training step.
+    Here A[t, s] = (k_t e^{G_t}) . (k_s e^{-G_s}) is one matmul, exact in real arithmetic and safe in fp32 while
+    |G| <= 80 within a chunk (the gate is bounded below by `gate_lower_bound`, so chunks of WY_CHUNK tokens keep
+    every factor a normal number). The unit lower-triangular solves give each chunk's WY factors W = M^-1 (beta
+    K e^G) and U = M^-1 (beta V) at once; only the state is carried chunk to chunk (Delta_n = U_n - W_n S_n), and
+    the outputs (Q e^G) S_n + B_n Delta_n are again one batched matmul. A ragged tail is padded with k = v = beta = 0,
+    g = 0 (tokens that leave the state as it is) and cut from the output.
+    """
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, length, heads, key_dim = k.shape
+    pad = -length % WY_CHUNK
+    q, k, v, g, beta = (F.pad(t.to(dtype), (0, 0) * (t.ndim - 2) + (0, pad)) for t in (q, k, v, g, beta))
+    chunks = (length + pad) // WY_CHUNK
+
+    def split(t):  # [B, T, H, ...] -> [B, H, N, C, ...]
+        return t.transpose(1, 2).reshape(batch, heads, chunks, WY_CHUNK, *t.shape[3:])
+
+    q, k, v, g, beta = map(split, (q, k, v, g, beta))
+    cum = g.cumsum(dim=3)
+    grow, shrink = cum.exp(), (-cum).exp()
+    k_grow, k_shrink, q_grow = k * grow, k * shrink, q * scale * grow
+    strict = torch.ones(WY_CHUNK, WY_CHUNK, dtype=torch.bool, device=q.device).tril(-1)
+    a = (k_grow @ k_shrink.transpose(-1, -2)).masked_fill(~strict, 0)
+    b = (q_grow @ k_shrink.transpose(-1, -2)).masked_fill(~(strict | torch.eye(WY_CHUNK, dtype=torch.bool,
+                                                                                device=q.device)), 0)
+    system = torch.eye(WY_CHUNK, dtype=dtype, device=q.device) + beta.unsqueeze(-1) * a
+    w = torch.linalg.solve_triangular(system, beta.unsqueeze(-1) * k_grow, upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(system, beta.unsqueeze(-1) * v, upper=False, unitriangular=True)
+    last = cum[:, :, :, -1:]
+    k_to_end = (k * (last - cum).exp()).transpose(-1, -2)  # [B, H, N, K, C]
+    end_decay = last.transpose(-1, -2).exp()  # [B, H, N, K, 1]
+    state = q.new_zeros(batch, heads, key_dim, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
+    states, deltas = [], []
+    for n in range(chunks):
+        delta = u[:, :, n] - w[:, :, n] @ state
+        states.append(state)
+        deltas.append(delta)
+        state = end_decay[:, :, n] * state + k_to_end[:, :, n] @ delta
+    out = q_grow @ torch.stack(states, dim=2) + b @ torch.stack(deltas, dim=2)  # [B, H, N, C, V]
+    out = out.reshape(batch, heads, chunks * WY_CHUNK, -1)[:, :, :length].transpose(1, 2)
+    return out, state
+
+
+@contextlib.contextmanager
+def wy_kda(model):
+    """Run the model's torch KDA as `wy_chunk_kda` inside the block (fla's kernels off, as for "torch")."""
+    bound = model.config.get_text_config().linear_attn_config.get("gate_lower_bound")
+    if bound is None or WY_CHUNK * -bound > 80:
+        raise ValueError(f"--kda wy needs gate_lower_bound >= {-80 / WY_CHUNK} (e^-G of a chunk in fp32's range), "
+                         f"the config has {bound}")
+    stock = kda.chunk_kda
+    kda.chunk_kda = lambda q, k, v, g, beta, scale, initial_state=None, chunk_size=None: wy_chunk_kda(
+        q, k, v, g, beta, scale, initial_state)  # its own chunk size: the caller's suits the reference
+    try:
+        with use_fast_paths(model, kda="off", kda_prefill="off"):
+            yield
+    finally:
+        kda.chunk_kda = stock
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,30 +455,31 @@ def cmd_bench(args):
     device = args.device
     data = Path(args.data)
     corpus = load_corpus(data, device)
-    config = demo_config(_num_ranks(data))
+    config = demo_config(_num_ranks(data), args.shape)
     results = []
     for kind in args.moe.split(","):
         use_moe(kind)
         model, named, masters, decay, no_decay = build(config, device)
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0}],
-                                      lr=1e-3, betas=(0.9, 0.95), fused=True)
+                                      lr=1e-3, betas=(0.9, 0.95), fused=device == "cuda")
         balancer = Balancer(model)
         gen = torch.Generator().manual_seed(0)
         with kda_paths(model, args.kda):
             for batch in map(int, args.batches.split(",")):
-                torch.cuda.reset_peak_memory_stats()
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
                 try:
                     times = []
                     for i in range(args.steps):
                         ids = sample_batch(corpus, batch, gen)
-                        torch.cuda.synchronize()
+                        _sync(device)
                         t0 = time.perf_counter()
                         loss, _, _ = train_step(model, named, masters, optimizer, balancer, ids, batch, 1e-3)
-                        torch.cuda.synchronize()
+                        _sync(device)
                         times.append(time.perf_counter() - t0)
                     step = sorted(times[1:])[len(times[1:]) // 2]
                     row = dict(moe=kind, kda=args.kda, batch=batch, step_s=round(step, 4), tok_s=round(batch * SEQ_LEN / step),
-                               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1), loss=round(loss, 3))
+                               peak_gib=round(_peak_gib(device), 1), loss=round(loss, 3))
                 except torch.OutOfMemoryError:
                     row = dict(moe=kind, batch=batch, oom=True)
                     torch.cuda.empty_cache()
@@ -408,7 +491,7 @@ def cmd_bench(args):
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                         train_step(model, named, masters, optimizer, balancer, sample_batch(corpus, batch, gen),
                                    batch, 1e-3)
-                        torch.cuda.synchronize()
+                        _sync(device)
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
         del model, masters, optimizer
         torch.cuda.empty_cache()
@@ -418,11 +501,14 @@ def cmd_bench(args):
     return 0
 
 
-def kda_paths(model, kda):
-    """The KDA that autograd runs through: "torch" (the reference, nothing to compile) or "fla" (fla's chunked
-    kernel, which compiles and autotunes its forward and backward on the first step: 241 s on the H200,
-    bench/results/train_demo_112/train.log, more than its speed gives back in a 10-minute run)."""
-    return use_fast_paths(model, kda="off", kda_prefill="off") if kda == "torch" else contextlib.nullcontext()
+def kda_paths(model, kind):
+    """The KDA that autograd runs through: "torch" (the reference, nothing to compile), "wy" (`wy_chunk_kda`, the
+    reference's math without its pairwise-decay tensors) or "fla" (fla's chunked kernel, which compiles and
+    autotunes its forward and backward on the first step: 241 s on the H200, bench/results/train_demo_112/train.log,
+    more than its speed gives back in a 10-minute run)."""
+    if kind == "wy":
+        return wy_kda(model)
+    return use_fast_paths(model, kda="off", kda_prefill="off") if kind == "torch" else contextlib.nullcontext()
 
 
 def save_state(path: Path, model, masters, optimizer, gen, log, step, tokens, micro):
@@ -441,7 +527,7 @@ def cmd_train(args):
     out.mkdir(parents=True, exist_ok=True)
     use_moe(args.moe)
     corpus = load_corpus(data, device)
-    config = demo_config(_num_ranks(data))
+    config = demo_config(_num_ranks(data), args.shape)
     model, named, masters, decay, no_decay = build(config, device, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     n_experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
@@ -629,6 +715,9 @@ def cmd_sync_code(args):
     return 0
 
 
+SHAPE_HELP = 'JSON overriding DEMO_SHAPE, e.g. \'{"hidden_size": 384}\' (train: the same on --resume)'
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -639,8 +728,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--kda", choices=("torch", "fla"), default="torch")
+    p.add_argument("--kda", choices=("torch", "wy", "fla"), default="torch")
     p.add_argument("--profile", action="store_true", help="print the top CUDA ops of one step per batch size")
+    p.add_argument("--shape", default=None, help=SHAPE_HELP)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("train")
     p.add_argument("--data", default=str(ROOT / "data"))
@@ -659,8 +749,9 @@ def main(argv=None):
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--save-every", type=float, default=150)
-    p.add_argument("--kda", choices=("torch", "fla"), default="torch", help="KDA under autograd: the torch "
-                   "reference or fla's chunked kernel")
+    p.add_argument("--kda", choices=("torch", "wy", "fla"), default="torch", help="KDA under autograd: the "
+                   "torch reference, its batched form wy_chunk_kda, or fla's chunked kernel")
+    p.add_argument("--shape", default=None, help=SHAPE_HELP)
     p.add_argument("--state", default=None, help="write the resumable state here at the decay's start")
     p.add_argument("--resume", default=None, help="continue from a --state file")
     p.set_defaults(func=cmd_train)

@@ -183,6 +183,83 @@ def test_grouped_training_moe_matches_the_stock_forward():
         assert not grad_b[name].any(), name
 
 
+def _kda_inputs(length, seed, dtype=torch.float64, bound=-5.0):
+    from kda import l2norm
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (l2norm(torch.randn(2, length, 3, 16, generator=gen, dtype=dtype)) for _ in range(2))
+    v = torch.randn(2, length, 3, 8, generator=gen, dtype=dtype)
+    g = bound * torch.sigmoid(3 * torch.randn(2, length, 3, 16, generator=gen, dtype=dtype))
+    beta = torch.sigmoid(torch.randn(2, length, 3, generator=gen, dtype=dtype))
+    state = 0.1 * torch.randn(2, 3, 16, 8, generator=gen, dtype=dtype)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("length", [1, 16, 40, 70])
+def test_wy_training_kda_matches_the_reference(length):
+    """The training-only batched WY form gives kda.chunk_kda's outputs, final state and gradients (float64, with an
+    initial state, lengths that are not a multiple of its chunk), and in fp32 stays as close to a float64 run as the
+    reference does with every gate at the bound (e^{+-G} at its largest)."""
+    from kda import chunk_kda
+
+    train_demo = _bench("train_demo")
+    inputs = [t.requires_grad_() for t in _kda_inputs(length, seed=length)]
+    weights = torch.randn(2, length, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (chunk_kda, train_demo.wy_chunk_kda):
+        out, state = fn(*inputs[:5], scale=0.25, initial_state=inputs[5])
+        ((out * weights).sum() + (state * state).sum()).backward()
+        results.append((out.detach(), state.detach(), [t.grad for t in inputs]))
+        for t in inputs:
+            t.grad = None
+    (out_a, state_a, grads_a), (out_b, state_b, grads_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state_b, state_a, rtol=1e-10, atol=1e-12)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-11, msg=name)
+
+    q, k, v, g, beta, _ = _kda_inputs(64, seed=5, dtype=torch.float32)
+    g = torch.full_like(g, -4.999)
+    exact, _ = chunk_kda(*(t.double() for t in (q, k, v, g, beta)), scale=0.25)
+    ours, _ = train_demo.wy_chunk_kda(q, k, v, g, beta, scale=0.25)
+    reference, _ = chunk_kda(q, k, v, g, beta, scale=0.25)
+    assert torch.isfinite(ours).all()
+    assert (ours - exact).abs().max() <= 2 * (reference - exact).abs().max() + 1e-7
+
+
+def test_wy_training_kda_runs_the_model_as_the_reference():
+    """Under `kda_paths(model, "wy")` the model's KDA is `wy_chunk_kda`, and a training step's loss and gradients are
+    the torch reference's (to fp32 rounding: the model's KDA runs in fp32 even in a float64 model); outside the
+    block the reference is back; a gate without a lower bound (e^-G unbounded) is refused."""
+    import kda
+    from reap_tools.tiny import random_model, tiny_config
+
+    train_demo = _bench("train_demo")
+    stock = kda.chunk_kda
+    model = random_model(tiny_config(packed=False), seed=2).train().double()
+    ids = torch.randint(0, 400, (2, 37), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for kind in ("torch", "wy"):
+        model.zero_grad(set_to_none=True)
+        with train_demo.kda_paths(model, kind):
+            assert (kda.chunk_kda is stock) == (kind == "torch")
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert kda.chunk_kda is stock
+    (loss_a, grad_a), (loss_b, grad_b) = grads
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=0)
+    assert grad_a.keys() == grad_b.keys()
+    for name, grad in grad_a.items():
+        torch.testing.assert_close(grad_b[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name)
+
+    unbounded = random_model(tiny_config(packed=False, linear_attn_config=dict(
+        num_heads=4, head_dim=16, full_attn_layers=[3, 6], kda_layers=[1, 2, 4, 5], gate_lower_bound=None)))
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        with train_demo.kda_paths(unbounded, "wy"):
+            pass
+
+
 def test_token_healing_regenerates_the_last_token(loaded):
     """`heal_prompt` takes the prompt's last token off, and `StartsWith` holds the first new token of each row to
     the ids whose text starts with it (every other id at -inf), on the first step only."""
