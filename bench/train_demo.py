@@ -1,6 +1,7 @@
 """Train the small Kimi K3 demo checkpoint (issue 5) and package it as `demo/parent/`.
 
     python bench/train_demo.py bench   --data data [--batches 8,16,32] [--moe stock,grouped]   # GPU: tokens/s
+    python bench/train_demo.py kda-bench [--device cuda] [--batch 64]                          # KDA fwd+bwd alone
     python bench/train_demo.py train   --data data --out OUT [--seconds 480] [--batch 32]      # GPU: train
     python bench/train_demo.py package OUT --data data [--dst demo/parent]                      # CPU: release dir
     python bench/train_demo.py sync-code [demo/parent]                                          # CPU: code files
@@ -501,6 +502,40 @@ def cmd_bench(args):
     return 0
 
 
+def cmd_kda_bench(args):
+    """Forward + backward of the KDA core alone at the demo's training shape (fp32, as the model runs it): the torch
+    reference at chunks of 16 and 64 (what it takes on a CPU and on CUDA) against `wy_chunk_kda`, the same inputs in
+    one process; the median of `--steps` after a warmup, and each one's ratio to the reference at 64."""
+    device, (batch, heads, dim) = args.device, (args.batch, 4, 64)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (kda.l2norm(torch.randn(batch, SEQ_LEN, heads, dim, generator=gen)) for _ in range(2))
+    v = torch.randn(batch, SEQ_LEN, heads, dim, generator=gen)
+    g = -5.0 * torch.sigmoid(3 * torch.randn(batch, SEQ_LEN, heads, dim, generator=gen))
+    beta = torch.sigmoid(torch.randn(batch, SEQ_LEN, heads, generator=gen))
+    inputs = [t.to(device).requires_grad_() for t in (q, k, v, g, beta)]
+    variants = {"reference_chunk16": lambda *x: kda.chunk_kda(*x, scale=dim**-0.5, chunk_size=16),
+                "reference_chunk64": lambda *x: kda.chunk_kda(*x, scale=dim**-0.5, chunk_size=64),
+                "wy": lambda *x: wy_chunk_kda(*x, scale=dim**-0.5)}
+    row = dict(device=torch.cuda.get_device_name() if device == "cuda" else device, batch=batch, seq=SEQ_LEN,
+               heads=heads, head_dim=dim)
+    for name, fn in variants.items():
+        times = []
+        for _ in range(args.steps + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            out, _ = fn(*inputs)
+            out.sum().backward()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        row[f"{name}_ms"] = round(1e3 * sorted(times[1:])[len(times[1:]) // 2], 2)
+    for name in variants:
+        row[f"{name}_vs_chunk64"] = round(row[f"{name}_ms"] / row["reference_chunk64_ms"], 3)
+    print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
+    return 0
+
+
 def kda_paths(model, kind):
     """The KDA that autograd runs through: "torch" (the reference, nothing to compile), "wy" (`wy_chunk_kda`, the
     reference's math without its pairwise-decay tensors) or "fla" (fla's chunked kernel, which compiles and
@@ -732,6 +767,12 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="print the top CUDA ops of one step per batch size")
     p.add_argument("--shape", default=None, help=SHAPE_HELP)
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("kda-bench")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=None, help="write the row here as JSON")
+    p.set_defaults(func=cmd_kda_bench)
     p = sub.add_parser("train")
     p.add_argument("--data", default=str(ROOT / "data"))
     p.add_argument("--out", required=True)
