@@ -580,6 +580,9 @@ def cmd_train(args):
     step, tokens, micro = 0, 0, args.micro or args.batch
     if args.resume:
         state = torch.load(args.resume, map_location=device, weights_only=False)
+        if state["log"]["args"].get("shape") != args.shape:
+            raise SystemExit(f"--resume {args.resume}: the state was trained with --shape "
+                             f"{state['log']['args'].get('shape')!r}, this call asks for {args.shape!r}")
         model.load_state_dict(state["model"])
         for m, saved in zip(masters, state["masters"]):
             m.copy_(saved)
