@@ -29,7 +29,10 @@ experts top-8 in a latent of 128 (= H / 2) with moe_intermediate 128, 2 shared e
 
 Training runs the model's own bf16-expert mode (config without quantization_config): bf16 parameters (A_log,
 dt_bias and the router bias stay fp32, as the model keeps them), fp32 master weights in a fused AdamW, one sequence
-length (512), 85 % of each batch from Python source and 15 % from prose. Autograd runs the torch KDA (`--kda
+length (512), 85 % of each batch from Python source and 15 % from prose; the code windows start anywhere in the
+standard library + package code, or with `--stdlib-share S` a share S of them in the standard library (the held-out
+code's domain; `bench/domain_anneal.py` measured that going on with package code alone raised the held-out code's
+perplexity while the standard library's lowered it). Autograd runs the torch KDA (`--kda
 torch`, the default), its batched form `wy_chunk_kda` (`--kda wy`: the same values, without the reference's
 pairwise-decay tensors, which were most of a step on the H200; not yet run there) or fla's chunked kernel (`--kda
 fla`; the model's dispatch gives training only paths with a backward). `--shape` trains another size of the same
@@ -266,23 +269,37 @@ def wy_kda(model):
 
 def load_corpus(data: Path, device) -> dict[str, torch.Tensor]:
     """The splits of `bench/prepare_corpus.py`; the train code also holds `bench/package_corpus.py`'s files where
-    that ran."""
+    that ran, after the standard library's (`stdlib_tokens` of them: where `sample_batch`'s stdlib share draws)."""
     arrays = {name: np.load(data / f"{name}.npy") for name in ("train_code", "train_prose", "val_code", "val_prose")}
+    stdlib = len(arrays["train_code"])
     packages = data / "train_code_packages.npy"
     if packages.is_file():
         arrays["train_code"] = np.concatenate([arrays["train_code"], np.load(packages)])
-    return {name: torch.from_numpy(a.astype(np.int64)).to(device) for name, a in arrays.items()}
+    corpus = {name: torch.from_numpy(a.astype(np.int64)).to(device) for name, a in arrays.items()}
+    corpus["stdlib_tokens"] = stdlib
+    return corpus
 
 
-def sample_batch(corpus, batch: int, generator, seq_len=SEQ_LEN) -> torch.Tensor:
-    """`batch` random windows: round(CODE_SHARE * batch) from code, the rest from prose."""
+def sample_batch(corpus, batch: int, generator, seq_len=SEQ_LEN, stdlib_share=None) -> torch.Tensor:
+    """`batch` random windows: round(CODE_SHARE * batch) from code, the rest from prose. The code windows start
+    anywhere in the train code, or with `stdlib_share` that share of them (rounded) in the standard library's part
+    (the domain of the held-out code) and the rest in the packages' part."""
     n_code = round(CODE_SHARE * batch)
+    code, stdlib = corpus["train_code"], corpus["stdlib_tokens"]
+    if stdlib_share is None:
+        pools = [(code, 0, code.numel(), n_code)]
+    else:
+        n_stdlib = round(stdlib_share * n_code)
+        pools = [(code, 0, stdlib, n_stdlib), (code, stdlib, code.numel(), n_code - n_stdlib)]
+    pools.append((corpus["train_prose"], 0, corpus["train_prose"].numel(), batch - n_code))
     rows = []
-    for name, n in (("train_code", n_code), ("train_prose", batch - n_code)):
+    for data, low, high, n in pools:
         if n == 0:
             continue
-        data = corpus[name]
-        starts = torch.randint(0, data.numel() - seq_len, (n,), generator=generator, device="cpu").to(data.device)
+        if high - low <= seq_len:
+            raise SystemExit(f"--stdlib-share {stdlib_share}: a part of the train code has no window of {seq_len} "
+                             "tokens (no bench/package_corpus.py output in --data?)")
+        starts = torch.randint(low, high - seq_len, (n,), generator=generator, device="cpu").to(data.device)
         rows.append(data[starts[:, None] + torch.arange(seq_len, device=data.device)])
     return torch.cat(rows)
 
@@ -606,7 +623,7 @@ def cmd_train(args):
                 log["train_seconds_at_state"] = seconds_before + time.time() - t_train
                 save_state(Path(args.state), model, masters, optimizer, gen, log, step, tokens, micro)
                 print(f"state at the decay's start (step {step}) -> {args.state}", flush=True)
-            ids = sample_batch(corpus, args.batch, gen)
+            ids = sample_batch(corpus, args.batch, gen, stdlib_share=args.stdlib_share)
             try:
                 loss, norm, load = train_step(model, named, masters, optimizer, balancer, ids, micro, lr)
             except torch.OutOfMemoryError:  # a micro-batch too big for the memory left: accumulate instead
@@ -753,6 +770,14 @@ def cmd_sync_code(args):
     return 0
 
 
+def share(text: str) -> float:
+    """argparse type: a fraction in [0, 1]."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a share between 0 and 1")
+    return value
+
+
 SHAPE_HELP = 'JSON overriding DEMO_SHAPE, e.g. \'{"hidden_size": 384}\' (train: the same on --resume)'
 
 
@@ -798,6 +823,10 @@ def main(argv=None):
     p.add_argument("--shape", default=None, help=SHAPE_HELP)
     p.add_argument("--state", default=None, help="write the resumable state here at the decay's start")
     p.add_argument("--resume", default=None, help="continue from a --state file")
+    p.add_argument("--stdlib-share", type=share, default=None,
+                   help="share of the code windows drawn from the standard library (the held-out code's domain; "
+                   "default: from all train code alike, ~12 %% with the package corpus). A call that resumes may "
+                   "give another share, e.g. a larger one for the decay")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("package")
     p.add_argument("src", help="the OUT folder of `train`")

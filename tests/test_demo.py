@@ -260,6 +260,28 @@ def test_wy_training_kda_runs_the_model_as_the_reference():
             pass
 
 
+def test_stdlib_share_draws_code_windows_from_the_standard_library_part():
+    """`train --stdlib-share`: that share of a batch's code windows lies in the standard library's part of the train
+    code, the rest in the packages' part, none across the seam; without it, windows start anywhere (the shipped
+    run's sampling, its random stream unchanged)."""
+    train_demo = _bench("train_demo")
+    stdlib, packages, seq = 3000, 5000, 64
+    corpus = dict(train_code=torch.cat([torch.zeros(stdlib), torch.ones(packages)]).long(),
+                  train_prose=torch.full((2000,), 2), stdlib_tokens=stdlib)
+    for share in (0.0, 0.3, 1.0):
+        ids = train_demo.sample_batch(corpus, 200, torch.Generator().manual_seed(0), seq_len=seq, stdlib_share=share)
+        code = ids[: round(train_demo.CODE_SHARE * 200)]
+        kinds = code.float().mean(1)
+        assert bool(((kinds == 0) | (kinds == 1)).all()), "a window crosses from the stdlib into the packages"
+        assert int((kinds == 0).sum()) == round(share * len(code)) and bool((ids[len(code):] == 2).all())
+    plain = train_demo.sample_batch(corpus, 200, torch.Generator().manual_seed(0), seq_len=seq)
+    starts = torch.randint(0, stdlib + packages - seq, (len(code),), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(plain[: len(code)], corpus["train_code"][starts[:, None] + torch.arange(seq)])
+    with pytest.raises(SystemExit, match="no window"):
+        train_demo.sample_batch(dict(corpus, stdlib_tokens=len(corpus["train_code"])), 8, torch.Generator(),
+                                seq_len=seq, stdlib_share=0.5)
+
+
 def test_token_healing_regenerates_the_last_token(loaded):
     """`heal_prompt` takes the prompt's last token off, and `StartsWith` holds the first new token of each row to
     the ids whose text starts with it (every other id at -inf), on the first step only."""
