@@ -1,5 +1,5 @@
 """Which code lowers the demo's held-out code perplexity when training goes on: the standard library's or the
-packages' (issue 21; CPU, ~18 minutes an arm at the defaults).
+packages' (issue 21; CPU, ~16 minutes an arm at the defaults).
 
     python bench/domain_anneal.py --source data/train_code.npy [--steps 200] [--lr 1e-4] [--json FILE]
     python bench/domain_anneal.py --source DATA_WITH_PACKAGES/train_code_packages.npy ...

@@ -267,7 +267,7 @@ def wy_kda(model):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_corpus(data: Path, device) -> dict[str, torch.Tensor]:
+def load_corpus(data: Path, device) -> dict:
     """The splits of `bench/prepare_corpus.py`; the train code also holds `bench/package_corpus.py`'s files where
     that ran, after the standard library's (`stdlib_tokens` of them: where `sample_batch`'s stdlib share draws)."""
     arrays = {name: np.load(data / f"{name}.npy") for name in ("train_code", "train_prose", "val_code", "val_prose")}
@@ -287,18 +287,19 @@ def sample_batch(corpus, batch: int, generator, seq_len=SEQ_LEN, stdlib_share=No
     n_code = round(CODE_SHARE * batch)
     code, stdlib = corpus["train_code"], corpus["stdlib_tokens"]
     if stdlib_share is None:
-        pools = [(code, 0, code.numel(), n_code)]
+        pools = [("train code", code, 0, code.numel(), n_code)]
     else:
         n_stdlib = round(stdlib_share * n_code)
-        pools = [(code, 0, stdlib, n_stdlib), (code, stdlib, code.numel(), n_code - n_stdlib)]
-    pools.append((corpus["train_prose"], 0, corpus["train_prose"].numel(), batch - n_code))
+        pools = [("the standard library's train code", code, 0, stdlib, n_stdlib),
+                 ("the packages' train code (bench/package_corpus.py's output)", code, stdlib, code.numel(),
+                  n_code - n_stdlib)]
+    pools.append(("train prose", corpus["train_prose"], 0, corpus["train_prose"].numel(), batch - n_code))
     rows = []
-    for data, low, high, n in pools:
+    for name, data, low, high, n in pools:
         if n == 0:
             continue
         if high - low <= seq_len:
-            raise SystemExit(f"--stdlib-share {stdlib_share}: a part of the train code has no window of {seq_len} "
-                             "tokens (no bench/package_corpus.py output in --data?)")
+            raise SystemExit(f"{name}: no window of {seq_len} tokens ({high - low} tokens in --data)")
         starts = torch.randint(low, high - seq_len, (n,), generator=generator, device="cpu").to(data.device)
         rows.append(data[starts[:, None] + torch.arange(seq_len, device=data.device)])
     return torch.cat(rows)
