@@ -143,15 +143,19 @@ if triton is not None:
         tl.store(weights_ptr + row * K + slots, weights * scaling)
 
     @triton.jit
-    def _pair_sum_norm_kernel(pairs_ptr, w_ptr, out_ptr, L, eps, K: tl.constexpr, BLOCK_L: tl.constexpr,
-                              NORM: tl.constexpr):
-        """One row: sum_j pairs[row, j, :] in fp32 (slot order), rounded to the output dtype, then its RMSNorm."""
+    def _pair_sum_norm_kernel(pairs_ptr, weights_ptr, w_ptr, out_ptr, L, eps, K: tl.constexpr, BLOCK_L: tl.constexpr,
+                              WEIGHTED: tl.constexpr, NORM: tl.constexpr):
+        """One row: sum_j fp32(pairs[row, j, :]) (times weights[row, j] in fp32 where WEIGHTED) in slot order,
+        rounded to the output dtype, then its RMSNorm."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_L)
         mask = offs < L
         acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
         for j in range(K):
-            acc += tl.load(pairs_ptr + (row * K + j) * L + offs, mask=mask, other=0.0)
+            term = tl.load(pairs_ptr + (row * K + j) * L + offs, mask=mask, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                term = term * tl.load(weights_ptr + row * K + j)
+            acc += term
         y = acc.to(out_ptr.dtype.element_ty)
         if NORM:
             r = y.to(tl.float32)
@@ -333,17 +337,20 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
     return out
 
 
-def pair_sum_norm(pairs, weight, eps, dtype):
-    """RMSNorm (`weight`, `eps`; None: no norm) of `pairs` [N, k, L] (fp32) summed over k and rounded to `dtype`,
-    returned as [N, L] in `dtype`; None for rows too wide for one program."""
+def pair_sum_norm(pairs, weights, weight, eps, dtype):
+    """RMSNorm (`weight`, `eps`; None: no norm) of the expert outputs `pairs` [N, k, L] (any float dtype) weighted
+    by `weights` [N, k] in fp32 (None: `pairs` are weighted fp32 terms already) and summed over k, rounded to
+    `dtype`; returned as [N, L] in `dtype`; None for rows too wide for one program."""
     rows, top_k, width = pairs.shape
     block = triton.next_power_of_2(width)
     if block > 16384:
         return None
     pairs = pairs.contiguous()
+    weights = pairs if weights is None else weights.float().contiguous()  # pairs: a pointer never read
     out = torch.empty(rows, width, dtype=dtype, device=pairs.device)
-    _pair_sum_norm_kernel[(rows,)](pairs, pairs if weight is None else weight, out, width, float(eps), K=top_k,
-                                   BLOCK_L=block, NORM=weight is not None, num_warps=4 if block <= 4096 else 8)
+    _pair_sum_norm_kernel[(rows,)](pairs, weights, pairs if weight is None else weight, out, width, float(eps),
+                                   K=top_k, BLOCK_L=block, WEIGHTED=weights is not pairs, NORM=weight is not None,
+                                   num_warps=4 if block <= 4096 else 8)
     return out
 
 

@@ -766,25 +766,29 @@ class KimiK3LatentMoE(nn.Module):
         ep = self.expert_parallel  # this rank runs its experts' pairs; one all-reduce sums the latent
         if ep is not None:
             ids = ep.local_ids(ids)
-        pairs = triton_routed_experts(self, z, ids, weights) if fast.experts else None  # None: n/a here
+        pairs = triton_routed_experts(self, z, ids) if fast.experts else None  # None: n/a here
         if pairs is None:
             y = self.routed_experts(z, ids, weights)
             y = self.routed_expert_norm((y if ep is None else ep.sum(y)).to(z.dtype))
         else:
-            y = self.normed_sum(pairs if ep is None else ep.sum_pairs(pairs, ids), z.dtype, fast.fused)
+            if ep is not None:
+                pairs, weights = ep.sum_pairs(pairs, weights, ids), None
+            y = self.normed_sum(pairs, weights, z.dtype, fast.fused)
         return self.routed_expert_up_proj(y)
 
-    def normed_sum(self, pairs, dtype, fused=False):
-        """`routed_expert_norm` of the per-(token, slot) outputs [N, k, L] (fp32, weighted) summed over k and rounded
-        to `dtype`: with `fused` one kernel (`fused_triton.pair_sum_norm`), else the torch ops."""
+    def normed_sum(self, pairs, weights, dtype, fused=False):
+        """`routed_expert_norm` of the per-(token, slot) expert outputs [N, k, L] weighted by `weights` [N, k] in fp32
+        (None: `pairs` are weighted fp32 terms already) and summed over k, rounded to `dtype`: with `fused` one
+        kernel (`fused_triton.pair_sum_norm`), else the torch ops."""
         norm = self.routed_expert_norm
         on_device = getattr(norm, "weight", pairs).device == pairs.device  # not offloaded (see attn_res_mix)
         if fused and on_device and isinstance(norm, (KimiK3RMSNorm, nn.Identity)):
             weight, eps = (norm.weight, norm.variance_epsilon) if isinstance(norm, KimiK3RMSNorm) else (None, 0.0)
-            out = fused_pair_sum_norm(pairs, weight, eps, dtype)
+            out = fused_pair_sum_norm(pairs, weights, weight, eps, dtype)
             if out is not None:
                 return out
-        return norm(pairs.sum(1).to(dtype))
+        terms = pairs.float() if weights is None else pairs.float() * weights.float().unsqueeze(-1)
+        return norm(terms.sum(1).to(dtype))
 
     def routed_experts(self, z, ids, weights):
         """Reference expert sum `sum_k w_k expert_k(z)` in fp32: (token, slot) pairs are sorted by expert so each

@@ -348,21 +348,21 @@ if triton is not None:
         for k0 in range(0, K, BK):
             acc = _mx_tile_dot(acc, x_row + k0, x_mask, w2_ptr + w_col + k0 // 2, s2_ptr + s_col + k0 // 32,
                                BN, BK, UPCAST, F32_DOT, FAST_MATH)
-        weight = tl.load(weight_ptr + row64, mask=valid, other=0.0)
-        # the reference rounds each expert's output to the activation dtype before weighting it in fp32
-        token = row64 // top_k
-        if UPCAST == 2:
-            out = acc.to(ACT).to(tl.float32) * weight[None, :]
-            if ATOMIC:
-                tl.atomic_add(y_ptr + token[None, :] * stride_y + offs_n[:, None], out, mask=x_mask, sem="relaxed")
+        # the reference rounds each expert's output to the activation dtype (before weighting it in fp32)
+        out = acc.to(ACT)
+        if ATOMIC:
+            weight = tl.load(weight_ptr + row64, mask=valid, other=0.0)
+            token = row64 // top_k
+            if UPCAST == 2:
+                tl.atomic_add(y_ptr + token[None, :] * stride_y + offs_n[:, None],
+                              out.to(tl.float32) * weight[None, :], mask=x_mask, sem="relaxed")
             else:
-                tl.store(y_ptr + row64[None, :] * stride_y + offs_n[:, None], out, mask=x_mask)
+                tl.atomic_add(y_ptr + token[:, None] * stride_y + offs_n[None, :],
+                              out.to(tl.float32) * weight[:, None], mask=x_mask, sem="relaxed")
+        elif UPCAST == 2:  # per pair, unweighted: the block weights and sums a token's slots
+            tl.store(y_ptr + row64[None, :] * stride_y + offs_n[:, None], out, mask=x_mask)
         else:
-            out = acc.to(ACT).to(tl.float32) * weight[:, None]
-            if ATOMIC:
-                tl.atomic_add(y_ptr + token[:, None] * stride_y + offs_n[None, :], out, mask=x_mask, sem="relaxed")
-            else:
-                tl.store(y_ptr + row64[:, None] * stride_y + offs_n[None, :], out, mask=x_mask)
+            tl.store(y_ptr + row64[:, None] * stride_y + offs_n[None, :], out, mask=x_mask)
 
 
     @triton.jit
@@ -388,16 +388,6 @@ if triton is not None:
         hi = _bf16_bits(_e2m1((packed >> 4) & 7) * scale, packed & 128)
         out_row = row // ROWS * OUT_ROWS + row % ROWS
         tl.store(out_ptr + out_row * HALF + j, lo | (hi << 16), mask=mask)
-
-    @triton.jit
-    def _weighted_scatter_kernel(out_ptr, pairs_ptr, weight_ptr, terms_ptr, L: tl.constexpr, BLOCK: tl.constexpr):
-        """terms[pairs[r]] = fp32(out[r]) * weight[pairs[r]]: one program per (row r, BLOCK columns)."""
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < L
-        pair = tl.load(pairs_ptr + row).to(tl.int64)
-        value = tl.load(out_ptr + row * L + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(weight_ptr + pair)
-        tl.store(terms_ptr + pair * L + offs, value, mask=mask)
 
     @triton.jit
     def _situ_glu_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, INNER: tl.constexpr, BETA: tl.constexpr,
@@ -429,9 +419,10 @@ def pick_config(num_pairs, num_experts):
 
 
 def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=None, upcast=None, atomic=None,
-                h_dtype=None, fast_math=None, dot_scaled=None, per_pair=False):
-    """fp32 [N, L]: sum_k weights[:, k] * expert_{ids[:, k]}(z) over the stacked packs. z: [N, L]. With
-    `per_pair` the terms of that sum, [N, k, L] (the caller sums them; no atomic combine).
+                h_dtype=None, fast_math=None, dot_scaled=None):
+    """fp32 [N, L]: sum_k weights[:, k] * expert_{ids[:, k]}(z) over the stacked packs. z: [N, L]. With `weights`
+    None each (token, slot)'s expert output on its own, [N, k, L] in `h_dtype`, unweighted (the caller weights and
+    sums them, `fused_triton.pair_sum_norm`; no atomic combine).
 
     The intermediate activation (and each expert's output before weighting) is rounded to `h_dtype`, by default
     the activation dtype, as the reference does; the tests pass float32 to check the indexing exactly.
@@ -449,7 +440,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     mode = _UPCAST_CODES[upcast]
     fast_math = config.get("fast_math", FAST_MATH) if fast_math is None else fast_math
     atomic = config.get("atomic", ATOMIC_COMBINE) if atomic is None else atomic
-    atomic = atomic and not per_pair
+    atomic = atomic and weights is not None
     block_m = config["BM"]
     x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
     act = h_dtype or x.dtype  # what the reference rounds the intermediate and each expert's output to
@@ -471,11 +462,11 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         UPCAST=mode, F32_DOT=_INTERPRET, FAST_MATH=fast_math, ACT=_TL_DTYPES[act], PAIRS=pairs_mode,
         num_warps=warps, num_stages=stages,
     )
-    flat_weights = weights.reshape(-1).float().contiguous()
     if atomic:
         y = torch.zeros(tokens, latent, dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty(pairs, latent, dtype=torch.float32, device=x.device)
+        y = torch.empty(pairs, latent, dtype=act, device=x.device)
+    flat_weights = y if weights is None else weights.reshape(-1).float().contiguous()  # y: a pointer never read
     bn, bk, warps, stages = config["w2"]
     bn, bk = _fit(bn, latent), _fit(bk, inner)
     _w2_kernel[(blocks, latent // bn)](
@@ -486,7 +477,8 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     )
     if atomic:
         return y
-    return y.view(tokens, top_k, latent) if per_pair else y.view(tokens, top_k, latent).sum(1)
+    y = y.view(tokens, top_k, latent)
+    return y if weights is None else (y.float() * flat_weights.view(tokens, top_k, 1)).sum(1)
 
 
 def dequantize(packed, scale, out=None, out_rows=None):
@@ -522,13 +514,13 @@ def situ_glu(gate, up, beta, linear_beta):
     return out.view(shape)
 
 
-def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_beta, chunk_bytes=None):
-    """The per-pair terms `weights[:, k] * expert_{ids[:, k]}(z)`, fp32 [N, k, L], for prompts: each expert's packs
+def run_experts_upcast_once(stack, z, ids, num_experts, beta, linear_beta, chunk_bytes=None):
+    """Each (token, slot)'s expert output `expert_{ids[:, k]}(z)`, bf16 [N, k, L], unweighted, for prompts: each expert's packs
     are upcast to bf16 once per call (`dequantize`, a chunk of experts at a time, at most `chunk_bytes` of bf16
     weights), then every expert runs on its own rows in one grouped bf16 GEMM per projection (`torch._grouped_mm`,
     the pairs sorted by expert), the upcast's cost shared by all of an expert's tokens. The numerics are the
     reference's (`KimiK3LatentMoE.packed_experts`): bf16 matmul outputs, SiTU-GLU in fp32, each expert's output
-    rounded to bf16 before its fp32 weighting. Pairs with id `num_experts` (another rank's) give zero terms.
+    rounded to bf16 (the block weights it in fp32). Pairs with id `num_experts` (another rank's) give zero rows.
     One host read of the per-expert counts (the chunks' row ranges): not for CUDA-graph capture."""
     tokens, top_k = ids.shape
     latent, inner = stack.latent, stack.inner
@@ -538,8 +530,7 @@ def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_be
     counts = torch.bincount(flat, minlength=num_experts + 1).tolist()
     x = z.to(torch.bfloat16)[order // top_k]
     fill = torch.zeros if counts.pop() else torch.empty  # every pair is written unless some are another rank's
-    terms = fill(tokens * top_k, latent, dtype=torch.float32, device=z.device)
-    flat_weights = weights.reshape(-1).float().contiguous()
+    outputs = fill(tokens * top_k, latent, dtype=torch.bfloat16, device=z.device)
     step = max(1, chunk_bytes // (3 * latent * inner * 2))
     w13 = torch.empty(min(step, num_experts), 2 * inner, latent, dtype=torch.bfloat16, device=z.device)
     w2 = torch.empty(min(step, num_experts), latent, inner, dtype=torch.bfloat16, device=z.device)
@@ -557,15 +548,14 @@ def run_experts_upcast_once(stack, z, ids, weights, num_experts, beta, linear_be
         h = torch._grouped_mm(x[start : start + rows], w13[: len(sizes)].transpose(1, 2), offs=ends)
         act = situ_glu(h[:, :inner], h[:, inner:], beta, linear_beta)
         out = torch._grouped_mm(act, w2[: len(sizes)].transpose(1, 2), offs=ends)
-        block = min(1024, triton.next_power_of_2(latent))
-        _weighted_scatter_kernel[(rows, triton.cdiv(latent, block))](
-            out, order[start : start + rows], flat_weights, terms, L=latent, BLOCK=block, num_warps=4)
+        outputs.index_copy_(0, order[start : start + rows], out)  # back to the (token, slot) order
         start += rows
-    return terms.view(tokens, top_k, latent)
+    return outputs.view(tokens, top_k, latent)
 
 
-def routed_experts(moe, z, ids, weights):
-    """The routed-expert terms of a `KimiK3LatentMoE`, fp32 [N, k, L] (weighted; the block sums them) through the
+def routed_experts(moe, z, ids):
+    """The routed experts' outputs of a `KimiK3LatentMoE`, bf16 [N, k, L] (unweighted; the block weights and sums
+    them, `KimiK3LatentMoE.normed_sum`) through the
     Triton kernels, for a block whose `experts` fast path is on; None where these experts cannot take it (not
     stacked on z's device, e.g. offloaded, or sizes not multiples of 32): the block then runs its reference."""
     stack = moe.stack_on(z.device)
@@ -573,8 +563,8 @@ def routed_experts(moe, z, ids, weights):
         return None
     expert = moe.experts[0]
     if upcast_once_pays(ids.numel(), moe.num_experts, z.device):
-        return run_experts_upcast_once(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta)
-    return run_experts(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta, per_pair=True)
+        return run_experts_upcast_once(stack, z, ids, moe.num_experts, expert.beta, expert.linear_beta)
+    return run_experts(stack, z, ids, None, moe.num_experts, expert.beta, expert.linear_beta)
 
 
 def upcast_once_pays(pairs, num_experts, device):

@@ -75,9 +75,11 @@ class ExpertParallel:
         """The fp32 latent sum [N, L] of this rank's pairs -> the sum over all experts."""
         return all_reduce(latent, self.tp.group)
 
-    def sum_pairs(self, pairs, ids):
-        """Per-pair terms [N, k, L] (rows of other ranks' pairs unwritten) -> the sum over all experts [N, 1, L]."""
-        own = torch.where(ids[..., None] < self.count, pairs, 0.0)
+    def sum_pairs(self, pairs, weights, ids):
+        """Per-pair expert outputs [N, k, L] (rows of other ranks' pairs unwritten) and their weights [N, k] -> the
+        weighted sum over all experts, fp32 [N, 1, L]."""
+        terms = pairs.float() * weights.float().unsqueeze(-1)
+        own = torch.where(ids[..., None] < self.count, terms, 0.0)
         return all_reduce(own.sum(1, keepdim=True), self.tp.group)
 
 

@@ -350,7 +350,7 @@ def measure_head(language, text, batch, reps, copy_bw):
 
 def experts_call(moe, z, ids, weights):
     """The block's routed-experts call as its forward dispatches it: the Triton kernels, else the reference."""
-    pairs = triton_routed_experts(moe, z, ids, weights) if moe.dispatch.at(z.device).experts else None
+    pairs = triton_routed_experts(moe, z, ids) if moe.dispatch.at(z.device).experts else None
     return pairs if pairs is not None else moe.routed_experts(z, ids, weights)
 
 

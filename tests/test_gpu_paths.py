@@ -111,9 +111,10 @@ def test_upcast_once_experts_are_the_reference_experts(monkeypatch):
     with torch.no_grad():
         ref = moe.routed_experts(z, ids, weights)
         for chunk in (None, 3 * 256 * 128 * 2 * 5):  # one chunk; chunks of 5 experts
-            terms = mxfp4_triton.run_experts_upcast_once(stack, z, ids, weights, 16, 4.0, 25.0, chunk_bytes=chunk)
-            assert bool((terms[ids == 16] == 0).all())
-            assert rel(terms.sum(1), ref) < 1e-3, rel(terms.sum(1), ref)
+            outputs = mxfp4_triton.run_experts_upcast_once(stack, z, ids, 16, 4.0, 25.0, chunk_bytes=chunk)
+            assert outputs.dtype == torch.bfloat16 and bool((outputs[ids == 16] == 0).all())
+            got = (outputs.float() * weights[..., None]).sum(1)
+            assert rel(got, ref) < 1e-3, rel(got, ref)
     packed = torch.randint(0, 256, (1, 256, 64), device=DEVICE, dtype=torch.uint8, generator=gen)
     packed[0, :, :16] = torch.arange(256, device=DEVICE, dtype=torch.uint8)[:, None]  # every byte under every code
     codes = torch.arange(256, device=DEVICE, dtype=torch.uint8).view(1, 256, 1).expand(1, 256, 4).contiguous()
@@ -166,13 +167,20 @@ def test_fused_router_topk_matches_the_torch_code(experts, top_k):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
 
 
-def test_fused_pair_sum_norm_matches_the_torch_code():
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fused_pair_sum_norm_matches_the_torch_code(weighted):
+    """The release's 16 slots of 3584 latents: bf16 expert outputs weighted in the kernel, or fp32 terms weighted
+    already (the expert-parallel sum)."""
     norm = KimiK3RMSNorm(3584).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
         pairs = torch.randn(8, 16, 3584, device=DEVICE)
-        got = fused_triton.pair_sum_norm(pairs, norm.weight, norm.variance_epsilon, torch.bfloat16)
-        ref = norm(pairs.sum(1).to(torch.bfloat16))
+        weights = torch.rand(8, 16, device=DEVICE) if weighted else None
+        if weighted:
+            pairs = pairs.to(torch.bfloat16)
+        got = fused_triton.pair_sum_norm(pairs, weights, norm.weight, norm.variance_epsilon, torch.bfloat16)
+        terms = pairs.float() * weights[..., None] if weighted else pairs
+        ref = norm(terms.sum(1).to(torch.bfloat16))
     assert rel(got, ref) < 2 ** -8  # a bf16 ulp where the slot sums round differently
 
 
@@ -224,9 +232,13 @@ def test_mxfp4_kernel_variants(upcast, atomic, config):
         stack = moe.stack_experts()
         cfg = {"wide": WIDE_CONFIG, "narrow": NARROW_CONFIG}.get(config) or mxfp4_triton.CONFIGS[config]
         out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, config=cfg, upcast=upcast, atomic=atomic)
+        outputs = mxfp4_triton.run_experts(stack, z, ids, None, 16, 4.0, 25.0, config=cfg, upcast=upcast)
     err = rel(out, ref)
     print(f"mxfp4 {upcast} {config} atomic={atomic}: rel err {err:.2e}")
     assert err < BF16_TOL
+    # per pair: each expert's output rounded to bf16, unweighted; weighted in fp32 they give the same sum
+    assert outputs.shape == (*ids.shape, 256) and outputs.dtype == torch.bfloat16
+    assert rel((outputs.float() * weights[..., None]).sum(1), ref) < BF16_TOL
     assert stack.lop3_ok  # scale codes 114..123: the lop3 kernels ran, not their dot_scaled fallback
 
 

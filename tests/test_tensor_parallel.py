@@ -183,3 +183,32 @@ def test_expert_parallel_moe_block_sums_to_the_whole_block(tokens, monkeypatch):
     local = [r.expert_parallel.local_ids(ids) for r in ranks]
     assert ((local[0] < 4).int() + (local[1] < 4).int() == 1).all(), "a pair is on no rank or on both"
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_per_pair_expert_outputs_are_weighted_and_summed_by_the_block(ranks, monkeypatch):
+    """The expert kernels' contract (`mxfp4_triton.routed_experts`): each (token, slot)'s expert output on its own,
+    unweighted, other ranks' rows unwritten; the block weights them in fp32 and sums them (`normed_sum`), under
+    expert parallel through `ExpertParallel.sum_pairs`. A torch stand-in for the kernels (its unwritten rows NaN)
+    gives the reference path's output, whole and as two expert-parallel ranks."""
+    import modeling_kimi_k3
+    from modeling_kimi_k3 import FastPaths
+    from tp_emulation import two_rank_moe
+
+    def per_pair_outputs(moe, z, ids):
+        out = torch.full((*ids.shape, z.shape[-1]), float("nan"), dtype=z.dtype)
+        for (token, slot), e in zip(ids.new_ones(ids.shape).nonzero().tolist(), ids.flatten().tolist()):
+            if e < moe.num_experts:
+                out[token, slot] = moe.experts[e](z[token : token + 1])[0]
+        return out
+
+    model = random_model(tiny_config(packed=True, **TEXT), seed=1)
+    moe = model.language_model.model.layers[1].block_sparse_moe
+    x = torch.randn(7, model.config.text_config.hidden_size)
+    with torch.no_grad():
+        whole = moe(x)
+        monkeypatch.setattr(modeling_kimi_k3, "triton_routed_experts", per_pair_outputs)
+        monkeypatch.setattr(modeling_kimi_k3.FastPathDispatch, "at", lambda self, device: FastPaths(experts=True))
+        out = moe(x) if ranks == 1 else two_rank_moe(moe, x, monkeypatch)[0]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)

@@ -126,8 +126,8 @@ def _describe(value):
 def record_moe(text):
     """Router top-k, the expert kernels (one token: per-pair blocks; a few: aligned decode blocks; many: prefill
     blocks; each with the lop3 upcast and, for a layer with large scales, tl.dot_scaled; a prompt: the upcast-once
-    path's kernels) and the pair sum + norm,
-    each reached from the block's own code."""
+    path's kernels) and the pair sum + norm (of the experts' outputs, and of expert parallel's weighted sum), each
+    reached from the block's own code."""
     moe = real_moe(text)
     for tokens in (1, 3, 64, 512):  # 512: 256 pairs an expert, the upcast-once path
         flat = torch.randn(tokens, text.hidden_size).to(torch.bfloat16)
@@ -140,10 +140,10 @@ def record_moe(text):
             scale[0, 0] = 127 if lop3 else 200  # a scale code above LOP3_MAX_SCALE_CODE sends a layer to dot_scaled
             moe.expert_stack = None
             assert moe.stack_experts().lop3_ok is lop3
-            pairs = mxfp4_triton.routed_experts(moe, z, ids, weights)
-            assert pairs is not None and pairs.dtype == torch.float32
-        moe.normed_sum(torch.randn(tokens, text.num_experts_per_token, text.routed_expert_hidden_size), z.dtype,
-                       fused=True)
+            pairs = mxfp4_triton.routed_experts(moe, z, ids)
+            assert pairs is not None and pairs.dtype == torch.bfloat16
+        moe.normed_sum(pairs, weights, z.dtype, fused=True)  # the experts' bf16 outputs, weighted in the kernel
+        moe.normed_sum(torch.randn(tokens, 1, text.routed_expert_hidden_size), None, z.dtype, fused=True)  # EP's sum
 
 
 def record_attn_res_mix(text):

@@ -53,6 +53,11 @@ MXFP4_SCRIPT = textwrap.dedent(
                                      atomic=atomic, h_dtype=torch.float32)
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 assert err < 1e-4, (latent, inner, name, atomic, err)
+            # per pair (no weights): each expert's own output, which the block weights and sums
+            outputs = mt.run_experts(stack, z, ids, None, experts, 4.0, 25.0, config=conf, dot_scaled=False,
+                                     h_dtype=torch.float32)
+            err = (((outputs.double() * weights.double()[..., None]).sum(1) - ref).norm() / ref.norm()).item()
+            assert outputs.shape == (*ids.shape, latent) and err < 1e-4, (latent, inner, name, "per pair", err)
     print("ok")
     """
 )
@@ -101,9 +106,9 @@ UPCAST_ONCE_SCRIPT = textwrap.dedent(
     weights = torch.rand(tokens, top_k)
     ref = moe.routed_experts(z, ids, weights)
     for chunk in (None, 3 * latent * inner * 2 * 2):
-        terms = mt.run_experts_upcast_once(stack, z, ids, weights, experts, 4.0, 25.0, chunk_bytes=chunk)
-        assert terms.shape == (tokens, top_k, latent) and bool((terms[ids == experts] == 0).all())
-        err = ((terms.sum(1) - ref).norm() / ref.norm()).item()
+        outputs = mt.run_experts_upcast_once(stack, z, ids, experts, 4.0, 25.0, chunk_bytes=chunk)
+        assert outputs.shape == (tokens, top_k, latent) and bool((outputs[ids == experts] == 0).all())
+        err = (((outputs.float() * weights[..., None]).sum(1) - ref).norm() / ref.norm()).item()
         assert err < 1e-2, err  # bf16 rounding of SiTU's output, truncated by the interpreter
     print("ok")
     """
@@ -175,12 +180,15 @@ FUSED_SCRIPT = textwrap.dedent(
         assert torch.allclose(weights, ref_weights * 2.5, rtol=1e-6, atol=0), ("router weights", rows, experts, k)
     assert fused_triton.router_topk(torch.zeros(1, 8), torch.zeros(8), 3, True, 1.0) is None  # k not a power of 2
 
-    # the LatentMoE's sum over slots, rounded to the activation dtype, and its RMSNorm (or none)
-    for rows, k, width, with_norm in [(1, 16, 200, True), (3, 4, 64, True), (2, 2, 96, False)]:
-        pairs = torch.randn(rows, k, width)
+    # the LatentMoE's weighted sum over slots (of bf16 expert outputs, or of fp32 terms weighted already), rounded
+    # to the activation dtype, and its RMSNorm (or none)
+    for rows, k, width, with_norm, weighted in [(1, 16, 200, True, True), (3, 4, 64, True, False),
+                                                (2, 2, 96, False, True), (2, 1, 64, False, False)]:
+        pairs = torch.randn(rows, k, width).to(torch.bfloat16 if weighted else torch.float32)
+        weights = torch.rand(rows, k) if weighted else None
         weight = torch.rand(width) + 0.5 if with_norm else None
-        out = fused_triton.pair_sum_norm(pairs, weight, 1e-5, torch.float32)
-        ref = pairs.double().sum(1)
+        out = fused_triton.pair_sum_norm(pairs, weights, weight, 1e-5, torch.float32)
+        ref = (pairs.double() * weights.double()[..., None] if weighted else pairs.double()).sum(1)
         if with_norm:
             ref = ref * (ref.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt() * weight.double()
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
