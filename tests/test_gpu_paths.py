@@ -101,7 +101,7 @@ def test_mxfp4_moe_block_matches_reference(tokens, monkeypatch):
 def test_upcast_once_experts_are_the_reference_experts(monkeypatch):
     """`run_experts_upcast_once` against the reference's packed experts on the same pairs (the same math: bf16
     matmul outputs, SiTU in fp32), with pairs of another rank's experts; and its upcast bit for bit against
-    mxfp4.dequantize_unchecked over every byte and every scale code."""
+    mxfp4.dequantize_unchecked over every byte and every scale code; the scatter of its outputs as index_copy_'s."""
     moe = moe_block()
     gen = torch.Generator(DEVICE).manual_seed(4)
     z = torch.randn(1024, 256, device=DEVICE, dtype=torch.bfloat16, generator=gen)
@@ -115,6 +115,11 @@ def test_upcast_once_experts_are_the_reference_experts(monkeypatch):
             assert outputs.dtype == torch.bfloat16 and bool((outputs[ids == 16] == 0).all())
             got = (outputs.float() * weights[..., None]).sum(1)
             assert rel(got, ref) < 1e-3, rel(got, ref)
+    src = torch.randn(3000, 3584, device=DEVICE, generator=gen).to(torch.bfloat16)  # a release row, as many rows
+    index = torch.randperm(5000, device=DEVICE, generator=gen)[:3000]
+    want = torch.zeros(5000, 3584, device=DEVICE, dtype=torch.bfloat16).index_copy_(0, index, src)
+    got = mxfp4_triton.scatter_rows(src, index, torch.zeros_like(want))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     packed = torch.randint(0, 256, (1, 256, 64), device=DEVICE, dtype=torch.uint8, generator=gen)
     packed[0, :, :16] = torch.arange(256, device=DEVICE, dtype=torch.uint8)[:, None]  # every byte under every code
     codes = torch.arange(256, device=DEVICE, dtype=torch.uint8).view(1, 256, 1).expand(1, 256, 4).contiguous()

@@ -90,6 +90,11 @@ UPCAST_ONCE_SCRIPT = textwrap.dedent(
     want = situ_glu(gate, up, 4.0, 25.0).float()
     got = mt.situ_glu(gate, up, 4.0, 25.0)
     assert got.shape == gate.shape and bool(((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all())
+    # the rows of a chunk's outputs back to (token, slot) order, bit for bit as index_copy_ puts them
+    src, index = torch.randn(5, 40).to(torch.bfloat16), torch.tensor([7, 0, 3, 9, 4])
+    want = torch.zeros(10, 40, dtype=torch.bfloat16).index_copy_(0, index, src)
+    got = mt.scatter_rows(src, index, torch.zeros(10, 40, dtype=torch.bfloat16))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     # the experts against the reference's packed experts, one chunk and chunks of 2 experts, with another rank's pairs
     latent, inner, experts, top_k, tokens = 64, 96, 6, 3, 40
     config = tiny_config(packed=True, routed_expert_hidden_size=latent, moe_intermediate_size=inner,
@@ -279,7 +284,8 @@ def test_mxfp4_kernels_in_the_triton_interpreter():
 
 @needs_triton
 def test_upcast_once_experts_in_the_triton_interpreter():
-    """mxfp4_triton's prompt path: the upcast kernel bit for bit, SiTU-GLU, the grouped GEMMs over sorted pairs."""
+    """mxfp4_triton's prompt path: the upcast kernel bit for bit, SiTU-GLU, the grouped GEMMs over sorted pairs,
+    the scatter of their outputs back to (token, slot) order."""
     run_in_interpreter(UPCAST_ONCE_SCRIPT)
 
 
