@@ -1,10 +1,10 @@
 """Choose the demo's decoding settings (its generation_config.json) on a development set of prompts (issue 21).
 
-    python bench/tune_decoding.py [--model demo/parent] [--penalties 1.0,1.1,1.2,1.3,1.5] [--json FILE]
+    python bench/tune_decoding.py [--model demo/parent] [--penalties 1.0,1.1,1.2,1.3,1.5] [--max-new-tokens 64] [--json FILE]
 
 The prompts are held-out function headers that no score of this repository uses: `bench/retention.py` judges
 the first 50 distinct top-level `def ...:` headers of the held-out code, this takes the 50 after those. Each is
-completed greedily (64 new tokens) three ways, as typed (the header alone), as typed with token healing (what
+completed greedily (64 new tokens unless `--max-new-tokens` says otherwise) three ways, as typed (the header alone), as typed with token healing (what
 `reap_tools generate` does) and with the newline an editor adds after it, for each repetition penalty; a completion counts where `bench/eval_demo.py`'s cut rule leaves Python that
 parses. The README's five prompts are not looked at here.
 """
@@ -35,6 +35,8 @@ def main(argv=None):
     parser.add_argument("--data", default=str(ROOT / "data"))
     parser.add_argument("--penalties", default="1.0,1.1,1.2,1.3,1.5")
     parser.add_argument("--batch-size", type=int, default=25)
+    parser.add_argument("--max-new-tokens", type=int, default=HEADER_TOKENS,
+                        help=f"tokens generated per header (default {HEADER_TOKENS}, what bench/retention.py gives)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     model, tokenizer = load(Path(args.model))
@@ -43,11 +45,11 @@ def main(argv=None):
         raise SystemExit(f"only {len(headers)} development headers after the first {SKIP}")
     rows = []
     for penalty in map(float, args.penalties.split(",")):
-        row = dict(repetition_penalty=penalty)
+        row = dict(repetition_penalty=penalty, max_new_tokens=args.max_new_tokens)
         forms = (("as_typed", headers, False), ("as_typed_healed", headers, True),
                  ("with_newline", [h + "\n" for h in headers], False))
         for form, prompts, heal in forms:
-            texts = complete(model, tokenizer, prompts, HEADER_TOKENS, args.batch_size, heal=heal,
+            texts = complete(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, heal=heal,
                              repetition_penalty=penalty)
             ok = sum(completion_parses(p, t, e) for p, (t, e) in zip(prompts, texts))
             row[form] = dict(parses=ok, of=len(prompts), wilson_95=[round(x, 3) for x in wilson_interval(ok, len(prompts))])
