@@ -32,7 +32,8 @@ try:
     from .fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
     from .fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
     from .fused_triton import latent_attention as fused_latent_attention, short_conv as fused_short_conv
-    from .fused_triton import gated_rms_norm as fused_gated_rms_norm
+    from .fused_triton import gated_rms_norm as fused_gated_rms_norm, mla_keys as fused_mla_keys
+    from .fused_triton import sigmoid_gated_heads as fused_sigmoid_gated_heads
     from .kda import kda_forward, supported as fla_supported
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from .mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
@@ -43,7 +44,8 @@ except ImportError:  # imported from the repository root rather than as transfor
     from fused_triton import attn_res_mix as fused_attn_res_mix, supported as fused_supported
     from fused_triton import pair_sum_norm as fused_pair_sum_norm, router_topk as fused_router_topk
     from fused_triton import latent_attention as fused_latent_attention, short_conv as fused_short_conv
-    from fused_triton import gated_rms_norm as fused_gated_rms_norm
+    from fused_triton import gated_rms_norm as fused_gated_rms_norm, mla_keys as fused_mla_keys
+    from fused_triton import sigmoid_gated_heads as fused_sigmoid_gated_heads
     from kda import kda_forward, supported as fla_supported
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4
     from mxfp4_triton import routed_experts as triton_routed_experts, stack_experts as stack_expert_packs
@@ -187,10 +189,12 @@ def on_input_device(kernel):
     return launch
 
 
-(fused_attn_res_mix, fused_gated_rms_norm, fused_latent_attention, fused_short_conv, fused_pair_sum_norm,
- fused_router_topk, fused_situ_glu, kda_forward, triton_routed_experts) = map(on_input_device, (
-    fused_attn_res_mix, fused_gated_rms_norm, fused_latent_attention, fused_short_conv, fused_pair_sum_norm,
-    fused_router_topk, fused_situ_glu, kda_forward, triton_routed_experts))
+(fused_attn_res_mix, fused_gated_rms_norm, fused_latent_attention, fused_mla_keys, fused_short_conv,
+ fused_sigmoid_gated_heads, fused_pair_sum_norm, fused_router_topk, fused_situ_glu, kda_forward,
+ triton_routed_experts) = map(on_input_device, (
+    fused_attn_res_mix, fused_gated_rms_norm, fused_latent_attention, fused_mla_keys, fused_short_conv,
+    fused_sigmoid_gated_heads, fused_pair_sum_norm, fused_router_topk, fused_situ_glu, kda_forward,
+    triton_routed_experts))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -479,11 +483,12 @@ class KimiK3MLAttention(nn.Module):
         return self.attend(queries, self.keys(x, cache, positions), attention_mask, positions, fast)
 
     def queries(self, x):
-        """The per-head queries [B, heads, T, nope + rope] and the sigmoid output gate (None without one)."""
+        """The per-head queries [B, heads, T, nope + rope] and the output gate's logits [B, T, heads * v] (None
+        without one; its sigmoid is taken in `gated_output`)."""
         batch, length, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
-        return q, torch.sigmoid(self.g_proj(x)) if self.use_output_gate else None
+        return q, self.g_proj(x) if self.use_output_gate else None
 
     def keys(self, x, cache, positions):
         """The compressed latent `[kv_a_layernorm(c), k_r]` of these tokens, written to the cache; returns every
@@ -504,33 +509,46 @@ class KimiK3MLAttention(nn.Module):
     def attend(self, queries, keys, attention_mask, positions, fast):
         """Causal attention of `queries` (from `queries`) over `keys` (from `keys`), gated, then the output
         projection."""
-        (q, out_gate), (latent, absorb) = queries, keys
-        batch, _, length, _ = q.shape
+        (q, gate_logits), (latent, absorb) = queries, keys
+        length = q.shape[2]
         if absorb and length == 1 and fast.fused:  # one pass over the keys up to the query (fused_triton)
             attn = self.attend_absorbed(q, latent, key_mask=attention_mask, position=positions)
         elif attention_mask is None and latent.shape[1] == length:  # a prompt on its own: plain causal attention
-            attn = self.attend_expanded(q, latent, None, causal=True)
+            attn = self.attend_expanded(q, latent, None, causal=True, fused=fast.fused)
         else:
             mask = _causal_padding_mask(attention_mask, positions, latent.shape[1])
-            attn = (self.attend_absorbed if absorb else self.attend_expanded)(q, latent, mask)
+            attn = (self.attend_absorbed(q, latent, mask) if absorb
+                    else self.attend_expanded(q, latent, mask, fused=fast.fused))
+        return self.o_proj(self.gated_output(attn, gate_logits, fast.fused))
+
+    def gated_output(self, attn, gate_logits, fused=False):
+        """The heads' outputs [B, heads, T, v] as [B, T, heads * v], times sigmoid(gate_logits) where there is an
+        output gate: with `fused` one kernel (`fused_triton.sigmoid_gated_heads`, the same roundings), else the
+        torch ops."""
+        if fused and gate_logits is not None:
+            return fused_sigmoid_gated_heads(attn, gate_logits)
+        batch, _, length, _ = attn.shape
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
-        if out_gate is not None:
-            attn = attn * out_gate
-        return self.o_proj(attn)
+        return attn if gate_logits is None else attn * torch.sigmoid(gate_logits)
 
     # Absorbing kv_b_proj costs ~ (kv_lora_rank + rope) per query per key instead of expanding every cached key
     # to heads x (nope + v); it wins while the queries are few next to the keys, as in decode.
     ABSORB_MAX_QUERIES = 16
 
-    def attend_expanded(self, q, latent, mask, causal=False):
+    def attend_expanded(self, q, latent, mask, causal=False, fused=False):
         """Reference: expand per-head K/V from the latent with kv_b_proj, then SDPA under `mask`, or with `causal`
         (queries and keys the same tokens) SDPA's own causal masking, which skips the masked blocks instead of
-        computing them. q: [B, heads, Tq, 192]."""
+        computing them. q: [B, heads, Tq, 192]. Each head's key is its k_nope beside the shared k_r: with `fused`
+        copied by one kernel (`fused_triton.mla_keys`), else concatenated."""
         batch, keys = latent.shape[:2]
         c, k_r = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(c).view(batch, keys, self.num_heads, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, self.num_heads, -1, -1)], dim=-1)
+        kv = self.kv_b_proj(c)
+        per_head = kv.view(batch, keys, self.num_heads, -1).transpose(1, 2)
+        v = per_head[..., self.nope_dim :]
+        if fused:
+            k = fused_mla_keys(kv, latent, self.num_heads, self.nope_dim, self.kv_lora_rank).transpose(1, 2)
+        else:
+            k = torch.cat([per_head[..., : self.nope_dim], k_r.unsqueeze(1).expand(-1, self.num_heads, -1, -1)], -1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
     def attend_absorbed(self, q, latent, mask=None, key_mask=None, position=None):

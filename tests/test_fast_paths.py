@@ -87,7 +87,7 @@ def test_while_autograd_records_only_paths_with_a_backward_are_taken(monkeypatch
     dispatch._resolved[torch.device("cpu")] = every  # as a CUDA device with triton and fla-core resolves "auto"
     calls = []
     for name in ("fused_attn_res_mix", "fused_gated_rms_norm", "fused_short_conv", "fused_pair_sum_norm",
-                 "fused_router_topk", "triton_routed_experts"):
+                 "fused_router_topk", "fused_mla_keys", "fused_sigmoid_gated_heads", "triton_routed_experts"):
         monkeypatch.setattr(code, name, lambda *a, _name=name, **k: calls.append(_name))
     kernels = []
     kda_forward = code.kda_forward

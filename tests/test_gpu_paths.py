@@ -388,6 +388,52 @@ def test_fused_latent_attention_matches_the_absorbed_torch_code(rows, keys, posi
     assert rel(got, want) < BF16_TOL
 
 
+@pytest.mark.parametrize("batch,length,cached", [(1, 2048, 0), (2, 300, 100)])
+def test_fused_mla_prompt_matches_the_torch_code(batch, length, cached):
+    """The release-width MLA block (96 heads) on a prompt, fused against the torch code, bf16: the per-head keys
+    (`fused_triton.mla_keys`) bit for bit the concatenation, over a cache view's rows; the gated output
+    (`sigmoid_gated_heads`) within one bf16 ulp of the torch ops; the block's output within bf16 tolerance (alone,
+    and after `cached` tokens in a growing cache, with padding)."""
+    from configuration_kimi_k3 import KimiK3Config
+    from modeling_kimi_k3 import KimiK3Cache
+
+    text = KimiK3Config.from_pretrained(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).text_config
+    torch.manual_seed(0)
+    with torch.device(DEVICE), torch.no_grad():
+        attn = KimiK3MLAttention(text, 3).to(torch.bfloat16).requires_grad_(False)
+        for module in attn.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, 0.02)
+    width = attn.kv_lora_rank + attn.rope_dim
+    latent = torch.randn(batch, length + 64, width, device=DEVICE, dtype=torch.bfloat16)[:, :length]
+    kv = attn.kv_b_proj(latent[..., : attn.kv_lora_rank])
+    k_nope = kv.view(batch, length, attn.num_heads, -1)[..., : attn.nope_dim]
+    want = torch.cat([k_nope, latent[..., attn.kv_lora_rank :].unsqueeze(2).expand(-1, -1, attn.num_heads, -1)], -1)
+    assert torch.equal(fused_triton.mla_keys(kv, latent, attn.num_heads, attn.nope_dim, attn.kv_lora_rank), want)
+
+    heads_out = torch.randn(batch, length, attn.num_heads, attn.v_dim, device=DEVICE, dtype=torch.bfloat16)
+    gate = torch.randn(batch, length, attn.num_heads * attn.v_dim, device=DEVICE, dtype=torch.bfloat16) * 3
+    got = attn.gated_output(heads_out.transpose(1, 2), gate, fused=True)
+    ref = attn.gated_output(heads_out.transpose(1, 2), gate)
+    assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all()
+
+    x = torch.randn(batch, cached + length, text.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    mask = torch.ones(batch, cached + length, dtype=torch.long, device=DEVICE)
+    mask[1:, :7] = 0  # left padding in the second row
+    outs = {}
+    for fused in (True, False):
+        with torch.no_grad(), use_fast_paths(attn, fused=fused, side_streams=False):
+            if cached:
+                cache = KimiK3Cache(text)
+                attn(x[:, :cached], mask[:, :cached], cache)
+                cache.seen_tokens = cached
+                outs[fused] = attn(x[:, cached:], mask, cache)
+            else:
+                outs[fused] = attn(x)
+    print(f"fused MLA prompt, {batch} x {length} after {cached}: rel {rel(outs[True], outs[False]):.2e}")
+    assert rel(outs[True], outs[False]) < BF16_TOL
+
+
 def small_model():
     config = tiny_config(packed=True, hidden_size=128, routed_expert_hidden_size=256, moe_intermediate_size=128,
                          num_experts=16, num_experts_per_token=4,

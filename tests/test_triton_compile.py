@@ -186,14 +186,16 @@ def record_short_convs(text):
 
 
 def record_latent_attention(text):
-    """MLA's one-query attention from the block's own code: a decode step into a static cache (its mask buffer,
-    a tail past the query) and into a growing cache with and without a padding mask."""
+    """MLA from the block's own code: a prompt (its per-head keys and its gated output) and the one-query attention
+    of a decode step into a static cache (its mask buffer, a tail past the query) and into a growing cache with and
+    without a padding mask."""
     with torch.device("meta"):
         attn = KimiK3MLAttention(text, layer_idx=3)
     attn = attn.to_empty(device="cpu").to(torch.bfloat16)
     for module in attn.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight.normal_(0.0, 0.02)
+    attn(torch.randn(1, 7, text.hidden_size).to(torch.bfloat16))
     x = torch.randn(1, 1, text.hidden_size).to(torch.bfloat16)
     static = KimiK3StaticCache(text, batch_size=1, max_length=64, cuda_graph=False)
     mask, positions = static.prepare(None, 1, 1, "cpu")

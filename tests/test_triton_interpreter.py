@@ -214,6 +214,26 @@ FUSED_SCRIPT = textwrap.dedent(
     assert fused_triton.gated_rms_norm(torch.zeros(1, 48), torch.zeros(1, 48), torch.ones(48), 1e-5,
                                        torch.float32) is None  # not a power of two
 
+    # MLA's per-head keys: k_nope from kv_b_proj's output beside the latent's k_r, bit for bit the concatenation,
+    # from a latent whose rows are apart (a cache's view) and heads not a multiple of the program's 16
+    for batch, keys, heads, nope, v, c, rope, dtype in [(2, 5, 3, 8, 4, 16, 4, torch.float32),
+                                                        (1, 3, 18, 16, 8, 32, 8, torch.bfloat16)]:
+        latent = torch.randn(batch, keys + 2, c + rope).to(dtype)[:, :keys]
+        kv = torch.randn(batch, keys, heads * (nope + v)).to(dtype)
+        k_nope = kv.view(batch, keys, heads, -1)[..., :nope]
+        ref = torch.cat([k_nope, latent[..., c:].unsqueeze(2).expand(-1, -1, heads, -1)], dim=-1)
+        assert torch.equal(fused_triton.mla_keys(kv, latent, heads, nope, c), ref), ("mla keys", heads, dtype)
+
+    # MLA's output gate over the heads' outputs put back in token order, against the torch ops
+    for batch, heads, length, width, dtype in [(2, 3, 5, 16, torch.float32), (1, 40, 2, 8, torch.bfloat16)]:
+        attn = torch.randn(batch, length, heads, width).to(dtype).transpose(1, 2)  # SDPA's strides
+        gate = torch.randn(batch, length, heads * width).mul_(3).to(dtype)
+        out = fused_triton.sigmoid_gated_heads(attn, gate)
+        ref = (attn.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)).double()
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: roundings truncated here
+        assert out.shape == ref.shape and out.dtype == dtype and err < tol, ("gated heads", heads, err)
+
     # in the model: a static cache's prefill + decode steps with the fused kernels vs the torch code
     from modeling_kimi_k3 import KimiK3StaticCache, use_fast_paths
     from reap_tools.tiny import random_model, tiny_config
