@@ -565,6 +565,41 @@ def kda_paths(model, kind):
     return use_fast_paths(model, kda="off", kda_prefill="off") if kind == "torch" else contextlib.nullcontext()
 
 
+def unpack_experts(state: dict) -> dict:
+    """Each `weight_packed` + `weight_scale` pair of `state` replaced, in place, by its dequantized `weight`."""
+    for name in [n for n in state if n.endswith(".weight_packed")]:
+        stem = name[: -len("weight_packed")]
+        state[stem + "weight"] = mxfp4.dequantize_mxfp4(state.pop(name), state.pop(stem + "weight_scale"))
+    return state
+
+
+def load_init(model, masters, named, path: Path):
+    """`train --init`: start from a packaged demo checkpoint (its MXFP4 experts unpacked) instead of a random
+    init; every tensor of the model must be there and nothing else. The fp32 masters start from the loaded values."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"--init {path}: no *.safetensors there")
+    state = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    unpack_experts(state)
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise SystemExit(f"--init {path}: missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} "
+                         f"({len(unexpected)})")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise SystemExit(f"--init {path}: {name} is {tuple(tensor.shape)}, the model's is "
+                             f"{tuple(expected[name].shape)} (another --shape?)")
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        for (_, param), master in zip(named, masters):
+            master.copy_(param.float())
+
+
 def save_state(path: Path, model, masters, optimizer, gen, log, step, tokens, micro):
     """Everything `train --resume` needs to continue this run (written to a temporary name, then renamed)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -597,6 +632,12 @@ def cmd_train(args):
     options = {k: v for k, v in vars(args).items() if k != "func"}
     log = dict(args=options, params=n_params, routed_expert_params=n_experts, seq_len=SEQ_LEN, steps=[], val=[])
     step, tokens, micro = 0, 0, args.micro or args.batch
+    if args.init:
+        if args.resume:
+            raise SystemExit("--init starts a run, --resume continues one: give one of them")
+        load_init(model, masters, named, Path(args.init))
+        log["init_val"] = {name: round(eval_loss(model, w), 4) for name, w in val.items()}
+        print(f"initialised from {args.init}: val {log['init_val']}", flush=True)
     if args.resume:
         state = torch.load(args.resume, map_location=device, weights_only=False)
         if state["log"]["args"].get("shape") != args.shape:
@@ -700,9 +741,7 @@ def cmd_package(args):
     state = {}
     for part in sorted(src.glob("weights-*.safetensors")):
         state.update(load_file(str(part)))
-    for name in [n for n in state if n.endswith(".weight_packed")]:
-        stem = name[: -len("weight_packed")]
-        state[stem + "weight"] = mxfp4.dequantize_mxfp4(state.pop(name), state.pop(stem + "weight_scale"))
+    unpack_experts(state)
     model = KimiK3ForCausalLM(config)
     for name, param in model.named_parameters():
         if not name.endswith(FP32_PARAMS):
@@ -825,6 +864,7 @@ def main(argv=None):
     p.add_argument("--shape", default=None, help=SHAPE_HELP)
     p.add_argument("--state", default=None, help="write the resumable state here at the decay's start")
     p.add_argument("--resume", default=None, help="continue from a --state file")
+    p.add_argument("--init", default=None, help="start from this packaged demo checkpoint (e.g. demo/parent)")
     p.add_argument("--stdlib-share", type=share, default=None,
                    help="share of the code windows drawn from the standard library (the held-out code's domain; "
                    "default: from all train code alike, ~12 %% with the package corpus). A call that resumes may "

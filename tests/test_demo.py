@@ -183,6 +183,30 @@ def test_grouped_training_moe_matches_the_stock_forward():
         assert not grad_b[name].any(), name
 
 
+def test_init_starts_training_from_the_shipped_parent(loaded, tmp_path):
+    """`train --init demo/parent` gives the training model the parent's weights (experts unpacked from MXFP4): the
+    same logits as the released checkpoint loaded with transformers; a stray tensor is an error that names it."""
+    from safetensors.torch import load_file, save_file
+
+    train_demo = _bench("train_demo")
+    config = train_demo.demo_config(len(load_rank_file(DEMO / "tiktoken.model")))
+    model, named, masters, _, _ = train_demo.build(config, "cpu")
+    train_demo.load_init(model, masters, named, DEMO)
+    for (name, param), master in zip(named, masters):
+        assert torch.equal(master, param.float()), name
+    ids = torch.randint(0, 4000, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.float().eval()(ids).logits
+        theirs = loaded[0](ids).logits
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+    state = load_file(str(DEMO / "model.safetensors"))
+    state["language_model.model.layers.1.stray"] = torch.zeros(1)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(SystemExit, match="language_model.model.layers.1.stray"):
+        train_demo.load_init(model, masters, named, tmp_path)
+
+
 def _kda_inputs(length, seed, dtype=torch.float64, bound=-5.0):
     from kda import l2norm
 
