@@ -8,15 +8,19 @@
 
 The corpus comes from `bench/prepare_corpus.py` (uint16 token ids + tiktoken.model in data/: the stdlib and the
 Python docs, with their held-out splits) and `bench/package_corpus.py` (more training code: the sources of installed
-packages, kept apart from the held-out files). The recipe of the shipped demo/parent (issue 21: two device calls,
-1610 steps, 52.8 M tokens; bench/results/train_demo_112/train_call{1,2}.log):
+packages, kept apart from the held-out files). The recipe of the shipped demo/parent (issue 21), in two stages:
+the earlier parent (two H200 calls, 1610 steps, 52.8 M tokens; bench/results/train_demo_112/train_call{1,2}.log),
+then one H100 call that went on from it (784 steps, 51.4 M tokens; bench/results/train_demo_init/):
 
     python bench/prepare_corpus.py                                   # CPU, ~50 s; data/ is git-ignored
-    python bench/package_corpus.py --max-mb 14                       # where the packages are installed (the H200's image)
+    python bench/package_corpus.py --max-mb 14                       # where the packages are installed (the GPU's image)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-        python bench/train_demo.py train --out OUT --seconds 455 --batch 64 --state STATE   # one H200, call 1
+        python bench/train_demo.py train --out OUT --seconds 455 --batch 64 --state STATE   # stage 1: one H200, call 1
     python bench/train_demo.py train --out OUT --seconds 515 --batch 64 --resume STATE      # call 2, same machine
     python bench/train_demo.py package OUT                           # CPU -> demo/parent
+    python bench/train_demo.py train --out OUT2 --seconds 450 --batch 128 --kda wy --stdlib-share 0.5 \
+        --init demo/parent                                           # stage 2: one H100 call
+    python bench/train_demo.py package OUT2                          # CPU -> demo/parent (the old one removed)
     python bench/eval_demo.py                                        # CPU: held-out perplexity, completions
 
 (OUT/train_log.json, with the run's step count, tokens and speed, is copied into the demo directory.)
@@ -37,7 +41,8 @@ torch`, the default), its batched form `wy_chunk_kda` (`--kda wy`: the same valu
 pairwise-decay tensors, which were most of a step on the H200; there 150 k tokens/s at batch 128 against
 the torch KDA's 67 k at 64, bench/results/train_demo_wy/) or fla's chunked kernel (`--kda
 fla`; the model's dispatch gives training only paths with a backward). `--shape` trains another size of the same
-design (a JSON object over DEMO_SHAPE). The router bias gets no gradient (noaux_tc); it is updated after each step by the aux-loss-free rule
+design (a JSON object over DEMO_SHAPE); `--init DIR` starts from a packaged demo checkpoint instead of a random init
+(every tensor must match; the schedule starts again with its warmup). The router bias gets no gradient (noaux_tc); it is updated after each step by the aux-loss-free rule
 (bias += u * sign(mean load - expert load)). The learning rate warms up over 40 steps, then the step time is
 measured and the run is sized to `--seconds`: warmup-stable-decay (`lr_at`), with `--state` saving a resumable state
 at the decay's start and `--resume` continuing it. `--moe grouped` swaps, for training only, the expert loop of
