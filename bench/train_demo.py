@@ -589,17 +589,10 @@ def load_init(model, masters, named, path: Path):
     state = {}
     for file in files:
         state.update(load_file(str(file)))
-    unpack_experts(state)
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise SystemExit(f"--init {path}: missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} "
-                         f"({len(unexpected)})")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise SystemExit(f"--init {path}: {name} is {tuple(tensor.shape)}, the model's is "
-                             f"{tuple(expected[name].shape)} (another --shape?)")
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(unpack_experts(state), strict=True)  # names missing, stray and mis-shaped tensors
+    except RuntimeError as error:
+        raise SystemExit(f"--init {path}: {error}") from None
     with torch.no_grad():
         for (_, param), master in zip(named, masters):
             master.copy_(param.float())
