@@ -1,12 +1,15 @@
 """Retention of the coding prune at small scale: REAP vs frequency vs EAN vs random on the trained demo (issues 6, 21).
 
     python bench/retention.py [--parent demo/parent] [--data data] [--out bench/results/retention] [--ship DIR]
-        [--calib-windows 256] [--eval-windows 64] [--headers 50] [--problems 40] [--seeds 3] [--quick]
+        [--calib-windows 1024] [--calib-at file-starts] [--eval-windows 64] [--headers 50] [--problems 40] [--seeds 3] [--quick]
 
 One command from the parent (E routed experts per MoE layer, read from its config) and the corpus of
 `bench/prepare_corpus.py`:
 1. `observe` the parent on a coding calibration load: `--calib-windows` windows of 512 tokens taken from the
-   *train* split of the code corpus (the evaluation uses the held-out split, so the two never overlap);
+   *train* split of the code corpus (the evaluation uses the held-out split, so the two never overlap), each
+   starting at the first token of a file (`--calib-at file-starts`, spread evenly over the files: a completion
+   prompt is the top of a file, and a prune calibrated only on windows cut anywhere lost top-level functions, see
+   `bench/calibration_arms.py`), or spread evenly over the split wherever they fall (`--calib-at anywhere`);
 2. `plan` + `prune` at three cuts, keeping round(E/2) (50 %), round(E * 320/896) (64.3 %, the release's 896 -> 320)
    and round(E/5) (80 %) experts per layer, with each criterion at every cut: reap, frequency, ean and random
    (seeds 0 .. `--seeds` - 1);
@@ -119,8 +122,20 @@ def evaluate(model, tokenizer, eval_windows, headers, problems, batch_size, gen_
     return row
 
 
-def calibration_batches(ids: np.ndarray, count: int, batch_size: int):
-    w = windows(ids, count, SEQ_LEN)
+def file_start_windows(ids: np.ndarray, count: int, separator: int, seq_len=SEQ_LEN) -> np.ndarray:
+    """`count` windows that each begin at a file's first token (the split's start, or the token after a
+    `<|end_of_msg|>` separator), spread evenly over the files; a window runs on into the next file where its own
+    is shorter than `seq_len`."""
+    starts = np.concatenate([[0], np.flatnonzero(ids[:-1] == separator) + 1])
+    starts = starts[starts + seq_len <= ids.size]
+    if count > starts.size:
+        raise SystemExit(f"train_code.npy: {count} calibration windows at file starts asked, "
+                         f"{starts.size} files start {seq_len} tokens before its end")
+    pick = starts[np.linspace(0, starts.size - 1, count).round().astype(np.int64)]
+    return np.stack([ids[s : s + seq_len] for s in pick]).astype(np.int64)
+
+
+def calibration_batches(w: np.ndarray, batch_size: int):
     return [{"input_ids": torch.from_numpy(w[i : i + batch_size]),
              "attention_mask": torch.ones(len(w[i : i + batch_size]), SEQ_LEN, dtype=torch.long)}
             for i in range(0, len(w), batch_size)]
@@ -381,7 +396,9 @@ def main(argv=None):
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "retention"))
     parser.add_argument("--ship", default=None,
                         help=f"copy the verified {SHIP_CUT.replace('%', '%%')} REAP prune here (default: no copy)")
-    parser.add_argument("--calib-windows", type=int, default=256, help="calibration windows of 512 (train code)")
+    parser.add_argument("--calib-windows", type=int, default=1024, help="calibration windows of 512 (train code)")
+    parser.add_argument("--calib-at", choices=("file-starts", "anywhere"), default="file-starts",
+                        help="where the calibration windows start: at files' first tokens, or spread over the split")
     parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows of 512 per split")
     parser.add_argument("--headers", type=int, default=50, help="held-out function headers for valid Python")
     parser.add_argument("--problems", type=int, default=len(PROBLEMS), help="exec_eval problems (the first N)")
@@ -420,9 +437,12 @@ def main(argv=None):
                     eval_windows=len(eval_windows["code"]), threads=torch.get_num_threads())
 
     t0 = time.time()
-    report = observe(model, calibration_batches(np.load(data / "train_code.npy"), args.calib_windows,
-                                                args.batch_size), name_or_path=args.parent, progress=False,
-                     calibration={"source": "train_code.npy", "windows": args.calib_windows, "seq_len": SEQ_LEN})
+    train_code = np.load(data / "train_code.npy")
+    calib = (file_start_windows(train_code, args.calib_windows, model.config.eos_token_id)
+             if args.calib_at == "file-starts" else windows(train_code, args.calib_windows, SEQ_LEN))
+    report = observe(model, calibration_batches(calib, args.batch_size), name_or_path=args.parent, progress=False,
+                     calibration={"source": "train_code.npy", "windows": args.calib_windows, "at": args.calib_at,
+                                  "seq_len": SEQ_LEN})
     (out / "report.json").write_text(json.dumps(report))
     observe_s = time.time() - t0
     print(f"observed {args.calib_windows} x {SEQ_LEN} calibration tokens in {observe_s:.0f} s", flush=True)
