@@ -137,6 +137,30 @@ def test_cut_rule(eval_demo):
     assert eval_demo.completion_parses("class A:\n", "    def m(self):\n        return 1\n\n    def")
 
 
+@pytest.mark.parametrize("checkpoint,at_least", [(DEMO, 4), (PRUNED, 3)], ids=["parent", "reap40"])
+def test_readme_prompts_parse_as_generate_completes_them(eval_demo, checkpoint, at_least):
+    """The README's five prompts typed as is (no newline), completed as `python -m reap_tools generate` does them
+    (`complete`: 128 new tokens, token healing, stopping where the block ends, the demo's greedy decoding with its
+    repetition penalty) and judged by `bench/eval_demo.py`'s rule, the model in float32, which transformers 4.57
+    and 5.x decode alike. Measured (`bench/calibration_arms.py`): parent 4 of 5 in float32 and 5 in bfloat16
+    (5.x's default); demo/reap40 3 and 3; the REAP-40 calibrated on windows cut anywhere (shipped until
+    2026-12-07) 2 and 0."""
+    from transformers import pipeline
+
+    from reap_tools.generate import complete
+
+    model, tokenizer = eval_demo.load(checkpoint, torch.float32)
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny decode ops: one thread is fastest (see eval_demo.greedy_completions)
+    try:
+        texts = [complete(pipe, p, 128) for p in eval_demo.AS_TYPED]
+    finally:
+        torch.set_num_threads(threads)
+    parses = [eval_demo.completion_parses(p, t[len(p):]) for p, t in zip(eval_demo.AS_TYPED, texts)]
+    assert sum(parses) >= at_least, "\n".join(f"--- {'ok' if ok else 'INVALID'}\n{t}" for t, ok in zip(texts, parses))
+
+
 def test_generation_stops_where_the_block_ends(loaded):
     """`reap_tools generate`'s stopping criterion fires on the first token that begins a column-0 line after the
     prompt's block, and not before."""
