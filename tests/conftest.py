@@ -1,6 +1,8 @@
 """Test setup: no network, the repository root importable, and small shared fixtures."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -17,3 +19,16 @@ def packed_checkpoint(tmp_path):
     from reap_tools.tiny import write_checkpoint
 
     return write_checkpoint(str(tmp_path / "tiny-mxfp4"), packed=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def bench():
+    """`bench(name)` imports the script bench/<name>.py (bench/ is a folder of scripts, not a package)."""
+    def load(name):
+        path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -6,7 +6,6 @@ prompt's top-level statement (first column-0 line after the prompt, else the las
 `ast.parse`. At least 2 of the 5 must parse, with their newline and typed without it (token healing).
 """
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,16 +21,9 @@ PRUNED = ROOT / "demo" / "reap40"  # bench/retention.py --ship: the REAP-40 prun
 SYNC = "python bench/train_demo.py sync-code demo/parent && python bench/train_demo.py sync-code demo/reap40"
 
 
-def _bench(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def eval_demo():
-    return _bench("eval_demo")
+def eval_demo(bench):
+    return bench("eval_demo")
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +171,12 @@ def test_generation_stops_where_the_block_ends(loaded):
     assert last_line and "print(f(2))".startswith(last_line)
 
 
-def test_grouped_training_moe_matches_the_stock_forward():
+def test_grouped_training_moe_matches_the_stock_forward(bench):
     """The training-only grouped expert loop (bench/train_demo.py) computes what KimiK3LatentMoE.forward does."""
     from modeling_kimi_k3 import KimiK3LatentMoE
     from reap_tools.tiny import random_model, tiny_config
 
-    train_demo = _bench("train_demo")
+    train_demo = bench("train_demo")
     model = random_model(tiny_config(packed=False), seed=1).train()
     ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(0))
     grads = []
@@ -207,12 +199,12 @@ def test_grouped_training_moe_matches_the_stock_forward():
         assert not grad_b[name].any(), name
 
 
-def test_init_starts_training_from_the_shipped_parent(loaded, tmp_path):
+def test_init_starts_training_from_the_shipped_parent(loaded, tmp_path, bench):
     """`train --init demo/parent` gives the training model the parent's weights (experts unpacked from MXFP4): the
     same logits as the released checkpoint loaded with transformers; a stray tensor is an error that names it."""
     from safetensors.torch import load_file, save_file
 
-    train_demo = _bench("train_demo")
+    train_demo = bench("train_demo")
     config = train_demo.demo_config(len(load_rank_file(DEMO / "tiktoken.model")))
     model, named, masters, _, _ = train_demo.build(config, "cpu")
     train_demo.load_init(model, masters, named, DEMO)
@@ -244,13 +236,13 @@ def _kda_inputs(length, seed, dtype=torch.float64, bound=-5.0):
 
 
 @pytest.mark.parametrize("length", [1, 16, 40, 70])
-def test_wy_training_kda_matches_the_reference(length):
+def test_wy_training_kda_matches_the_reference(length, bench):
     """The training-only batched WY form gives kda.chunk_kda's outputs, final state and gradients (float64, with an
     initial state, lengths that are not a multiple of its chunk), and in fp32 stays as close to a float64 run as the
     reference does with every gate at the bound (e^{+-G} at its largest)."""
     from kda import chunk_kda
 
-    train_demo = _bench("train_demo")
+    train_demo = bench("train_demo")
     inputs = [t.requires_grad_() for t in _kda_inputs(length, seed=length)]
     weights = torch.randn(2, length, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     results = []
@@ -275,14 +267,14 @@ def test_wy_training_kda_matches_the_reference(length):
     assert (ours - exact).abs().max() <= 2 * (reference - exact).abs().max() + 1e-7
 
 
-def test_wy_training_kda_runs_the_model_as_the_reference():
+def test_wy_training_kda_runs_the_model_as_the_reference(bench):
     """Under `kda_paths(model, "wy")` the model's KDA is `wy_chunk_kda`, and a training step's loss and gradients are
     the torch reference's (to fp32 rounding: the model's KDA runs in fp32 even in a float64 model); outside the
     block the reference is back; a gate without a lower bound (e^-G unbounded) is refused."""
     import kda
     from reap_tools.tiny import random_model, tiny_config
 
-    train_demo = _bench("train_demo")
+    train_demo = bench("train_demo")
     stock = kda.chunk_kda
     model = random_model(tiny_config(packed=False), seed=2).train().double()
     ids = torch.randint(0, 400, (2, 37), generator=torch.Generator().manual_seed(0))
@@ -308,11 +300,11 @@ def test_wy_training_kda_runs_the_model_as_the_reference():
             pass
 
 
-def test_stdlib_share_draws_code_windows_from_the_standard_library_part():
+def test_stdlib_share_draws_code_windows_from_the_standard_library_part(bench):
     """`train --stdlib-share`: that share of a batch's code windows lies in the standard library's part of the train
     code, the rest in the packages' part, none across the seam; without it, windows start anywhere (the shipped
     run's sampling, its random stream unchanged)."""
-    train_demo = _bench("train_demo")
+    train_demo = bench("train_demo")
     stdlib, packages, seq = 3000, 5000, 64
     corpus = dict(train_code=torch.cat([torch.zeros(stdlib), torch.ones(packages)]).long(),
                   train_prose=torch.full((2000,), 2), stdlib_tokens=stdlib)

@@ -1,20 +1,13 @@
 """The execution-based score of bench/exec_eval.py: the sandboxed runner, the problems' own tests, the intervals."""
 
-import importlib.util
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def exec_eval():
-    spec = importlib.util.spec_from_file_location("bench_exec_eval", ROOT / "bench" / "exec_eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def exec_eval(bench):
+    return bench("exec_eval")
 
 
 ADD = 'def add(a, b):\n    """Return the sum of a and b."""\n'

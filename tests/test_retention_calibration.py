@@ -1,21 +1,14 @@
 """The calibration windows of bench/retention.py (issue 21): each starts at a file's first token, spread over files."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 SEP = 9
 
 
 @pytest.fixture(scope="module")
-def retention():
-    spec = importlib.util.spec_from_file_location("bench_retention", ROOT / "bench" / "retention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def retention(bench):
+    return bench("retention")
 
 
 def corpus(lengths, seed=0):
