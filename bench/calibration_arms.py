@@ -31,10 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from eval_demo import AS_TYPED, completion_parses, load, windows  # noqa: E402
-from retention import (SEQ_LEN, calibration_batches, evaluate, file_start_windows,  # noqa: E402
-                       function_headers)
-from reap_tools.generate import complete  # noqa: E402
+from eval_demo import generate_completions, load, windows  # noqa: E402
+from retention import SEQ_LEN, calibration_batches, calibration_windows, evaluate, function_headers  # noqa: E402
 from reap_tools.observe import observe  # noqa: E402
 from reap_tools.plan import plan_selection  # noqa: E402
 from reap_tools.prune import prune_checkpoint  # noqa: E402
@@ -48,12 +46,7 @@ def readme_prompts(model_dir: Path, dtype) -> list[bool]:
     from transformers import pipeline
 
     pipe = pipeline("text-generation", model=str(model_dir), trust_remote_code=True, dtype=dtype)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny decode ops: one thread is fastest (eval_demo.greedy_completions)
-    try:
-        return [completion_parses(p, complete(pipe, p, 128)[len(p):]) for p in AS_TYPED]
-    finally:
-        torch.set_num_threads(threads)
+    return [parses for _, parses in generate_completions(pipe)]
 
 
 def measure(model_dir: Path, tokenizer, eval_windows, headers) -> dict:
@@ -84,8 +77,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for at, count in ARMS:
             t0 = time.time()
-            calib = (file_start_windows(train_code, count, model.config.eos_token_id) if at == "file-starts"
-                     else windows(train_code, count, SEQ_LEN))
+            calib = calibration_windows(train_code, count, at, model.config.eos_token_id)
             report = observe(model, calibration_batches(calib, 8), name_or_path=str(parent), progress=False,
                              calibration={"source": "train_code.npy", "windows": count, "at": at, "seq_len": SEQ_LEN})
             pruned = Path(tmp) / f"{at}-{count}"

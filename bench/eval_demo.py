@@ -91,6 +91,21 @@ def greedy_completions(model, tokenizer, prompts=PROMPTS, max_new_tokens=MAX_NEW
     return [(p, text, ended, completion_parses(p, text, ended)) for p, (text, ended) in zip(prompts, texts)]
 
 
+def generate_completions(pipe, prompts=AS_TYPED, max_new_tokens=128):
+    """[(full text, parses)] of each prompt as `python -m reap_tools generate` completes it
+    (`reap_tools.generate.complete`: token healing, stopping where the block ends, the checkpoint's
+    generation_config), on one CPU thread (tiny decode ops: one thread is fastest)."""
+    from reap_tools.generate import complete as generate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        texts = [generate(pipe, p, max_new_tokens) for p in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    return [(text, completion_parses(p, text[len(p):])) for p, text in zip(prompts, texts)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Perplexity
 # ---------------------------------------------------------------------------------------------------------------

@@ -135,6 +135,12 @@ def file_start_windows(ids: np.ndarray, count: int, separator: int, seq_len=SEQ_
     return np.stack([ids[s : s + seq_len] for s in pick]).astype(np.int64)
 
 
+def calibration_windows(ids: np.ndarray, count: int, at: str, separator: int) -> np.ndarray:
+    """The calibration windows of `--calib-at`: at files' first tokens ("file-starts"), or spread evenly over the
+    split wherever they fall ("anywhere")."""
+    return file_start_windows(ids, count, separator) if at == "file-starts" else windows(ids, count, SEQ_LEN)
+
+
 def calibration_batches(w: np.ndarray, batch_size: int):
     return [{"input_ids": torch.from_numpy(w[i : i + batch_size]),
              "attention_mask": torch.ones(len(w[i : i + batch_size]), SEQ_LEN, dtype=torch.long)}
@@ -438,8 +444,7 @@ def main(argv=None):
 
     t0 = time.time()
     train_code = np.load(data / "train_code.npy")
-    calib = (file_start_windows(train_code, args.calib_windows, model.config.eos_token_id)
-             if args.calib_at == "file-starts" else windows(train_code, args.calib_windows, SEQ_LEN))
+    calib = calibration_windows(train_code, args.calib_windows, args.calib_at, model.config.eos_token_id)
     report = observe(model, calibration_batches(calib, args.batch_size), name_or_path=args.parent, progress=False,
                      calibration={"source": "train_code.npy", "windows": args.calib_windows, "at": args.calib_at,
                                   "seq_len": SEQ_LEN})
