@@ -56,8 +56,7 @@ def measure(model_dir: Path, tokenizer, eval_windows, headers) -> dict:
     result = dict(code_ppl=float(np.exp(np.mean(row["code_nll"]))), valid_python=int(sum(row["validity"])),
                   headers=len(headers))
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        parses = readme_prompts(model_dir, dtype)
-        result[f"readme_prompts_{name}"] = [bool(p) for p in parses]
+        result[f"readme_prompts_{name}"] = readme_prompts(model_dir, dtype)
     return result
 
 

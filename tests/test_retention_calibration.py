@@ -35,8 +35,9 @@ def test_windows_begin_at_file_starts_spread_over_the_files(retention):
     found = [next(s for s in usable if np.array_equal(ids[s : s + 16], row)) for row in w]
     assert found[0] == 0 and found[-1] == usable[-1]  # the first and the last file
     assert found == sorted(found) and len(set(found)) == 4
-    short = ids[starts[1] : starts[1] + 16]  # a 5-token file: the window runs on into the next file
-    assert SEP in short
+    every = retention.file_start_windows(ids, len(usable), SEP, seq_len=16)
+    assert [row.tolist() for row in every] == [ids[s : s + 16].tolist() for s in usable]
+    assert SEP in every[1]  # the 5-token file's window runs on into the next file
 
 
 def test_too_many_windows_name_the_split(retention):
