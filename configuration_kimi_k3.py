@@ -30,9 +30,9 @@ _INTEGER_KEYS = {
 }
 
 
-# The optional CUDA implementations the model may use instead of its pure-torch reference blocks, each "auto" (where
-# it can run: importable, on a device that supports it), "on" (an error where it cannot) or "off". The model resolves
-# them once per device (`modeling_kimi_k3.resolve_fast_paths`) and logs the result in one line.
+# The optional CUDA implementations the model may use instead of its pure-torch reference ops, each "auto" (where
+# it can run: importable, on a device that supports it, for the config's shapes), "on" (an error where it cannot) or
+# "off". The model resolves them once per device (`kimi_k3_dispatch`) and logs the result in one line.
 FAST_PATH_DEFAULTS = {
     "experts": "auto",  # Triton kernels that read the MXFP4 experts' bytes (mxfp4_triton.py)
     "kda": "auto",  # fla-core's recurrent KDA kernel (fp32 state): decode steps, and prompts where kda_prefill is off
@@ -291,8 +291,9 @@ class KimiK3Config(PretrainedConfig):
     name, inside `text_config`, by `to_dict`: the routed experts stay packed in our own modules, and hiding the block keeps transformers'
     compressed-tensors loader (which only understands `nn.Linear` and would decompress to bf16) out of the way.
     The release allows the block at the top level or inside `text_config`; both are read.
-    `fast_paths` (ours) chooses the optional CUDA implementations (`FAST_PATH_DEFAULTS`); as a `from_pretrained`
-    keyword it is a partial dict, e.g. `fast_paths={"experts": "off"}`.
+    `fast_paths` (ours), a partial dict such as `{"experts": "off"}`, chooses the optional CUDA implementations
+    (`FAST_PATH_DEFAULTS`); it is a `from_pretrained` keyword, a runtime choice, and lives in a config only where a
+    user saved it there (an attribute set only when given).
     """
 
     model_type = "kimi_k3"
@@ -310,7 +311,8 @@ class KimiK3Config(PretrainedConfig):
         fast_paths=None,
         **kwargs,
     ):
-        self.fast_paths = check_fast_paths(fast_paths)
+        if fast_paths is not None:
+            self.fast_paths = check_fast_paths(fast_paths)
         if isinstance(text_config, KimiK3TextConfig):
             text_config = text_config.to_dict()
         text_config = dict(text_config or {})

@@ -41,6 +41,14 @@ except ImportError:  # CPU-only installs: the model uses its torch code
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# The widest row a one-program-a-row kernel here takes (the depth mix, the pair sum + norm).
+MAX_ROW_WIDTH = 16384
+
+
+def _refuse(kernel, what):
+    raise ValueError(f"fused_triton.{kernel}: {what} (the dispatch resolves shapes it cannot run to the reference)")
+
+
 def supported(device):
     """True where these kernels can run for tensors on `device` (CUDA, or any device in Triton's interpreter)."""
     return triton is not None and (torch.device(device).type == "cuda" or _INTERPRET)
@@ -378,11 +386,11 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
 def pair_sum_norm(pairs, weights, weight, eps, dtype):
     """RMSNorm (`weight`, `eps`; None: no norm) of the expert outputs `pairs` [N, k, L] (any float dtype) weighted
     by `weights` [N, k] in fp32 (None: `pairs` are weighted fp32 terms already) and summed over k, rounded to
-    `dtype`; returned as [N, L] in `dtype`; None for rows too wide for one program."""
+    `dtype`; returned as [N, L] in `dtype`. L is at most MAX_ROW_WIDTH."""
     rows, top_k, width = pairs.shape
     block = triton.next_power_of_2(width)
-    if block > 16384:
-        return None
+    if block > MAX_ROW_WIDTH:
+        _refuse("pair_sum_norm", f"rows of {width} values are wider than {MAX_ROW_WIDTH}")
     pairs = pairs.contiguous()
     weights = pairs if weights is None else weights.float().contiguous()  # pairs: a pointer never read
     out = torch.empty(rows, width, dtype=dtype, device=pairs.device)
@@ -394,10 +402,10 @@ def pair_sum_norm(pairs, weights, weight, eps, dtype):
 
 def gated_rms_norm(x, gate, weight, eps, dtype):
     """`RMSNorm(x in dtype) * sigmoid(gate)` over the last dim D (a power of two), x and gate [..., D] (x in any
-    float dtype, gate in `dtype`), returned in `dtype`; None where D is not a power of two."""
+    float dtype, gate in `dtype`), returned in `dtype`."""
     width = x.shape[-1]
     if width & (width - 1):
-        return None
+        _refuse("gated_rms_norm", f"head width {width} is not a power of two")
     shape = x.shape
     x, gate = x.reshape(-1, width).contiguous(), gate.reshape(-1, width).contiguous()
     rows = x.shape[0]
@@ -448,9 +456,9 @@ def sigmoid_gated_heads(attn, gate):
 
 def router_topk(logits, bias, top_k, renormalize, scaling):
     """`KimiK3Router`'s choice from its fp32 logits [N, E]: (ids [N, k] int64, weights [N, k] fp32), slots in
-    descending order of the biased score. top_k must be a power of two (tl.topk); None otherwise."""
+    descending order of the biased score. top_k must be a power of two (tl.topk)."""
     if top_k & (top_k - 1):
-        return None
+        _refuse("router_topk", f"top_k = {top_k} is not a power of two")
     logits = logits.contiguous()
     rows, experts = logits.shape
     ids = torch.empty(rows, top_k, dtype=torch.int64, device=logits.device)
@@ -465,11 +473,11 @@ def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps)
     """RMSNorm (weight `out_weight`, eps `out_eps`) of `sum_j softmax_j((v_j / rms(v_j)) . (norm_weight *
     proj_weight)) v_j` over the sources v_j: the stacked `bank` [n - 1, ..., H], then `last` [..., H]; in fp32, the
     mix rounded to last's dtype before the norm (as the torch code does), returned in that dtype with last's shape.
-    None for rows too wide for one program (H > 16384)."""
+    H is at most MAX_ROW_WIDTH."""
     hidden = last.shape[-1]
     block_h = triton.next_power_of_2(hidden)
-    if block_h > 16384:
-        return None
+    if block_h > MAX_ROW_WIDTH:
+        _refuse("attn_res_mix", f"rows of {hidden} values are wider than {MAX_ROW_WIDTH}")
     n = bank.shape[0] + 1
     bank, last = bank.contiguous(), last.contiguous()
     rows = last.numel() // hidden

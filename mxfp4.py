@@ -12,6 +12,7 @@ This module needs only torch, so remote code can import it without compressed-te
 """
 
 import functools
+from collections import namedtuple
 
 import torch
 
@@ -229,3 +230,34 @@ def mxfp4_quantization_config(ignore=None) -> dict:
         },
         "ignore": list(DEFAULT_IGNORE if ignore is None else ignore),
     }
+
+
+# A block's MXFP4 experts as one [E, ...] tensor per weight (w1/w3 [E, I, L/2] packs and [E, I, L/32] scales, w2
+# [E, L, I/2] and [E, L, I/32]), which both the reference and the expert kernels read; `key` identifies the
+# parameters it was made from, `max_scale_code` is the largest E8M0 code (kernels pick their upcast by it).
+ExpertStack = namedtuple("ExpertStack", "w1 s1 w3 s3 w2 s2 latent inner key max_scale_code")
+
+
+def max_scale_code(*scales):
+    """The largest E8M0 code among `scales` (one host read)."""
+    return max(int(s.max()) for s in scales)
+
+
+def stack_experts(experts):
+    """The `ExpertStack` of `experts` (a block's ModuleList of MXFP4 experts), with the per-expert parameters
+    re-pointed at views of it, so the packs are held once (values, shapes and names unchanged); its `key` is for the
+    owner to set. None where the experts are not all on one device."""
+    device = experts[0].w1.weight_packed.device
+    stacks = {}
+    for name in ("w1", "w3", "w2"):
+        for attr, short in (("weight_packed", "w"), ("weight_scale", "s")):
+            params = [getattr(getattr(e, name), attr) for e in experts]
+            if any(p.device != device for p in params):
+                return None
+            stacked = torch.stack([p.data for p in params]).contiguous()
+            for e, view in zip(experts, stacked.unbind(0)):
+                setattr(getattr(e, name), attr, torch.nn.Parameter(view, requires_grad=False))
+            stacks[short + name[1]] = stacked
+    latent, inner = experts[0].w1.in_features, experts[0].w1.out_features
+    return ExpertStack(**stacks, latent=latent, inner=inner, key=None,
+                       max_scale_code=max_scale_code(stacks["s1"], stacks["s3"], stacks["s2"]))

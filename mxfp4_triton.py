@@ -24,13 +24,12 @@ The matrix step (`UPCAST`) turns the nibbles into bf16 MMA operands in registers
   * "manual": an explicit fp32 dequant, then `tl.dot` (what the Triton interpreter runs on CPU in the tests).
 Routing metadata is built with torch ops only (no host sync), so a decode step can be graph-captured.
 
-A block whose `experts` fast path is on calls `routed_experts`, which returns None where its experts cannot take
-it (not stacked on the activations' device) so that the block falls back to its reference. The stacks come from
-`stack_experts`, which the block calls at load and after a move (never in a forward); its reference reads them too.
+A block whose `experts` fast path is on calls `routed_experts`, a drop-in for the block's reference
+`modeling_kimi_k3.routed_experts` (the dispatch resolves it only for shapes it runs: sizes multiples of 32, packed
+experts). Both read the packs from the block's `mxfp4.ExpertStack`.
 """
 
 import os
-from collections import namedtuple
 
 import torch
 
@@ -77,44 +76,15 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-Stack = namedtuple("Stack", "w1 s1 w3 s3 w2 s2 latent inner key lop3_ok")
-
 
 def supported(device):
     """True where these kernels can run for activations on `device`."""
     return triton is not None and torch.device(device).type == "cuda"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Expert stacking
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def scales_fit_lop3(*scales):
-    """Whether every E8M0 scale code is at most LOP3_MAX_SCALE_CODE (one host read), so the lop3 upcast applies."""
-    return all(bool(s.max() <= LOP3_MAX_SCALE_CODE) for s in scales)
-
-
-def stack_experts(experts, key=None):
-    """[E, ...] stacks of the per-expert packs of `experts` (a block's ModuleList of MXFP4 experts), and the per-expert
-    parameters re-pointed at views of them, so the packs are held once (values, shapes and names unchanged). None
-    where the experts are not all on one device. `key` is stored with the stack for its owner's staleness check.
-    """
-    device = experts[0].w1.weight_packed.device
-    stacks = {}
-    for name in ("w1", "w3", "w2"):
-        for attr, short in (("weight_packed", "w"), ("weight_scale", "s")):
-            params = [getattr(getattr(e, name), attr) for e in experts]
-            if any(p.device != device for p in params):
-                return None
-            stacked = torch.stack([p.data for p in params]).contiguous()
-            for e, view in zip(experts, stacked.unbind(0)):
-                setattr(getattr(e, name), attr, torch.nn.Parameter(view, requires_grad=False))
-            stacks[short + name[1]] = stacked
-    latent, inner = experts[0].w1.in_features, experts[0].w1.out_features
-    lop3_ok = scales_fit_lop3(stacks["s1"], stacks["s3"], stacks["s2"])
-    return Stack(stacks["w1"], stacks["s1"], stacks["w3"], stacks["s3"], stacks["w2"], stacks["s2"], latent, inner,
-                 key, lop3_ok)
+def lop3_applies(stack):
+    """Whether every E8M0 scale code of `stack` is at most LOP3_MAX_SCALE_CODE, so the lop3 upcast applies."""
+    return stack.max_scale_code <= LOP3_MAX_SCALE_CODE
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -444,7 +414,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         upcast = ("dot_scaled" if dot_scaled else "manual") if dot_scaled is not None else config.get("upcast", UPCAST)
     if _INTERPRET:
         upcast = "manual"  # neither tl.dot_scaled nor inline PTX runs in the interpreter
-    if upcast == "lop3" and not stack.lop3_ok:
+    if upcast == "lop3" and not lop3_applies(stack):
         upcast = "dot_scaled"  # a scale code above LOP3_MAX_SCALE_CODE
     mode = _UPCAST_CODES[upcast]
     fast_math = config.get("fast_math", FAST_MATH) if fast_math is None else fast_math
@@ -574,17 +544,18 @@ def run_experts_upcast_once(stack, z, ids, num_experts, beta, linear_beta, chunk
 
 
 def routed_experts(moe, z, ids):
-    """The routed experts' outputs of a `KimiK3LatentMoE`, bf16 [N, k, L] (unweighted; the block weights and sums
-    them, `KimiK3LatentMoE.normed_sum`) through the
-    Triton kernels, for a block whose `experts` fast path is on; None where these experts cannot take it (not
-    stacked on z's device, e.g. offloaded, or sizes not multiples of 32): the block then runs its reference."""
-    stack = moe.stack_on(z.device)
-    if stack is None or stack.latent % 32 or stack.inner % 32:
-        return None
+    """`modeling_kimi_k3.routed_experts` through the Triton kernels: each (token, slot)'s expert output, unweighted,
+    [N, k, L] in bf16 (z's dtype there), rows of pairs with id `num_experts` (another rank's) unwritten."""
+    stack = moe.current_stack()
+    if stack is None or stack.w1.device != z.device:
+        raise ValueError(f"mxfp4_triton.routed_experts: the experts of a {moe.num_experts}-expert block are not "
+                         f"stacked on {z.device}")
     expert = moe.experts[0]
     if upcast_once_pays(ids.numel(), moe.num_experts, z.device):
-        return run_experts_upcast_once(stack, z, ids, moe.num_experts, expert.beta, expert.linear_beta)
-    return run_experts(stack, z, ids, None, moe.num_experts, expert.beta, expert.linear_beta)
+        pairs = run_experts_upcast_once(stack, z, ids, moe.num_experts, expert.beta, expert.linear_beta)
+    else:
+        pairs = run_experts(stack, z, ids, None, moe.num_experts, expert.beta, expert.linear_beta)
+    return pairs.to(z.dtype)  # the kernels compute in bf16: a no-op for the model's bf16 activations
 
 
 def upcast_once_pays(pairs, num_experts, device):

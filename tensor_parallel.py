@@ -10,7 +10,8 @@ safetensors shards (`safe_open(...).get_slice(name)[rows]`); the routed experts 
     cache (per token, no heads) stays whole and KDA's recurrent state holds only the rank's heads;
   * `o_proj` split by its input columns, its partial outputs summed by one all-reduce;
   * routed experts by expert parallel: E / N consecutive experts a rank, the router replicated; each rank runs its
-    experts' share of the (token, slot) pairs and one all-reduce sums the fp32 latent before `routed_expert_norm`;
+    experts' share of the (token, slot) pairs and one all-reduce sums their weighted fp32 latent before
+    `routed_expert_norm`;
   * the dense layer-0 MLP and the shared experts split by their intermediate size (gate/up by rows, down by
     columns + all-reduce);
   * the embedding and the LM head split by vocabulary (the logits whole on every rank);
@@ -32,6 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+
+try:
+    from .kimi_k3_loading import check_checkpoint, checkpoint_directory
+except ImportError:  # imported from the repository root rather than as transformers remote code
+    from kimi_k3_loading import check_checkpoint, checkpoint_directory
 
 # from_pretrained keywords that mean nothing to a tensor-parallel load (the Auto classes add some of them)
 _IGNORED_KWARGS = ("_from_auto", "_commit_hash", "adapter_kwargs", "trust_remote_code", "low_cpu_mem_usage",
@@ -71,13 +77,9 @@ class ExpertParallel:
         local = ids - self.first
         return torch.where((local >= 0) & (local < self.count), local, self.count)
 
-    def sum(self, latent):
-        """The fp32 latent sum [N, L] of this rank's pairs -> the sum over all experts."""
-        return all_reduce(latent, self.tp.group)
-
     def sum_pairs(self, pairs, weights, ids):
-        """Per-pair expert outputs [N, k, L] (rows of other ranks' pairs unwritten) and their weights [N, k] -> the
-        weighted sum over all experts, fp32 [N, 1, L]."""
+        """Per-pair expert outputs [N, k, L] (rows of other ranks' pairs not read) and their weights [N, k] -> the
+        weighted sum over all experts, fp32 [N, 1, L] (weighted terms, for `pair_sum_norm` with no weights)."""
         terms = pairs.float() * weights.float().unsqueeze(-1)
         own = torch.where(ids[..., None] < self.count, terms, 0.0)
         return all_reduce(own.sum(1, keepdim=True), self.tp.group)
@@ -286,7 +288,7 @@ def _resolve_dtype(dtype, config, headers):
     return dtype
 
 
-def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, fast_paths=None, **kwargs):
     """`cls.from_pretrained(..., tp_plan="auto")`: this rank's shard of the model, on its device, in eval mode."""
     tp_plan = kwargs.pop("tp_plan")
     if tp_plan != "auto":
@@ -309,11 +311,11 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, **kwar
     tp, device = init_distributed()
     if tp_size is not None and tp_size != tp.size:
         raise ValueError(f"tp_size={tp_size}, but torchrun started {tp.size} processes: run one process per rank")
-    directory = cls.checkpoint_directory(str(pretrained_model_name_or_path), hub)
+    directory = checkpoint_directory(str(pretrained_model_name_or_path), hub)
     if not isinstance(config, cls.config_class):
         config = cls.config_class.from_pretrained(directory, **kwargs)
     check_tp_size(config.text_config, tp.size)
-    headers = cls.check_checkpoint(directory, config)
+    headers = check_checkpoint(cls, directory, config)
     dtype = _resolve_dtype(dtype, config, headers)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -327,7 +329,8 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, **kwar
     model.eval()
     model.tensor_parallel = tp
     model.stack_experts()
-    model.language_model.model.dispatch.resolved(device)  # resolve (and log) the fast paths
+    model.dispatch.request(fast_paths)
+    model.dispatch.resolved(device)  # resolve (and log) the fast paths
     _load_generation_config(model, directory)
     info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return (model, info) if wants_info else model

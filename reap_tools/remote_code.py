@@ -14,8 +14,9 @@ from pathlib import Path
 
 # The package's root: the folder holding reap_tools/ and the root modules (a checkout, or site-packages).
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kda.py", "mxfp4.py", "mxfp4_triton.py",
-              "fused_triton.py", "tensor_parallel.py")
+MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kimi_k3_dispatch.py", "kimi_k3_cache.py",
+              "kimi_k3_runners.py", "kimi_k3_loading.py", "kda.py", "mxfp4.py", "mxfp4_triton.py", "fused_triton.py",
+              "tensor_parallel.py")
 TOKENIZER_CODE = ("tokenization_kimi_k3.py", "kimi_k3_parsing.py")
 REMOTE_CODE = MODEL_CODE + TOKENIZER_CODE
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from modeling_kimi_k3 import KimiK3DecodeGraph
+from kimi_k3_runners import KimiK3DecodeGraph
 from reap_tools.tiny import random_model, tiny_config
 
 
@@ -62,7 +62,7 @@ def test_stage_by_stage_steps_equal_the_forward(packed_checkpoint, tmp_path, off
     model = AutoModelForCausalLM.from_pretrained(packed_checkpoint, trust_remote_code=True, **kwargs)
     if offload:
         assert "disk" in set(model.hf_device_map.values())
-    runner = sys.modules[type(model).__module__].KimiK3DecodeGraph(model)
+    runner = sys.modules[type(model).__module__.rpartition(".")[0] + ".kimi_k3_runners"].KimiK3DecodeGraph(model)
     assert not runner.enabled  # nothing to capture on the CPU: every segment runs stage by stage
     prompt = torch.tensor([[5, 9, 200, 31, 7], [3, 3, 8, 100, 2]])
     staged = greedy_steps(model, lambda cache, ids: runner(cache, ids, None), prompt, 6)

@@ -22,9 +22,11 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import fused_triton  # noqa: E402
 import kda  # noqa: E402
-import modeling_kimi_k3  # noqa: E402
+import kimi_k3_dispatch  # noqa: E402
+import mxfp4  # noqa: E402
 import mxfp4_triton  # noqa: E402
-from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, FastPathDispatch, use_fast_paths  # noqa: E402
+from kimi_k3_dispatch import use_fast_paths  # noqa: E402
+from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, new_dispatch  # noqa: E402
 from reap_tools.tiny import tiny_config  # noqa: E402
 
 SECOND_GPU = torch.device("cuda", 1)
@@ -117,7 +119,7 @@ def launches(monkeypatch):
         return run
 
     monkeypatch.setattr(kda, "_fla", (fla_kernel("fla_chunk_kda"), fla_kernel("fla_fused_recurrent_kda")))
-    monkeypatch.setattr(mxfp4_triton, "scales_fit_lop3", lambda *scales: True)  # a host read: fake tensors have none
+    monkeypatch.setattr(mxfp4, "max_scale_code", lambda *scales: 0)  # a host read: fake tensors have none
     # the prompts (5 pairs an expert at batch 2) take the upcast-once path, which needs SM90 (no such GPU here); the
     # decode steps keep the fused expert kernels
     monkeypatch.setattr(mxfp4_triton, "upcast_once_pays", lambda pairs, experts, device: pairs >= 5 * experts)
@@ -138,7 +140,7 @@ def run_layers_on_second_gpu(kda_prefill="on"):
     config = tiny_config(packed=True, hidden_size=64, routed_expert_hidden_size=64, moe_intermediate_size=64,
                          num_experts=8, num_experts_per_token=4).text_config
     kinds = {config.layer_types[i]: i for i in range(1, config.num_hidden_layers)}
-    dispatch = FastPathDispatch()
+    dispatch = new_dispatch(config)
     layers = [on_second_gpu(KimiK3DecoderLayer(config, kinds[kind], True, dispatch).to(torch.bfloat16))
               for kind in ("kda", "mla")]
     with SecondGpuMode(), torch.no_grad():
@@ -151,10 +153,11 @@ def run_layers_on_second_gpu(kda_prefill="on"):
                 for length in (5, 1):
                     partial = torch.randn(batch, length, config.hidden_size, dtype=torch.bfloat16, device=SECOND_GPU)
                     bank = (torch.randn_like(partial),)
-                    positions = torch.arange(cache.seen_tokens, cache.seen_tokens + length, device=SECOND_GPU)
+                    seen = cache.get_seq_length()
+                    positions = torch.arange(seen, seen + length, device=SECOND_GPU)
                     for layer in layers:
                         bank, partial = layer(bank, partial, None, cache, positions)
-                    cache.seen_tokens += length
+                    cache.advance(length)
 
 
 def test_every_kernel_launch_is_under_its_tensors_device(launches):
@@ -171,7 +174,9 @@ def test_every_kernel_launch_is_under_its_tensors_device(launches):
 def test_an_unguarded_entry_point_is_caught(launches, monkeypatch):
     """The check bites: with the guard taken off one entry point its launches are seen under device 0."""
     calls, _ = launches
-    monkeypatch.setattr(modeling_kimi_k3, "fused_attn_res_mix", fused_triton.attn_res_mix)
+    guard = kimi_k3_dispatch.on_input_device
+    monkeypatch.setattr(kimi_k3_dispatch, "on_input_device",
+                        lambda kernel: kernel if kernel is kimi_k3_dispatch.fused_attn_res_mix else guard(kernel))
     run_layers_on_second_gpu()
     assert {name for name, current, _ in calls if current != 1} == {"_attn_res_mix_kernel"}
 

@@ -1,8 +1,10 @@
-"""One dispatch for the optional fast paths: `config.fast_paths` (a `from_pretrained` keyword, saved in config.json)
-says per path "auto" / "on" / "off"; `resolve_fast_paths` turns it into what each device runs, once per device, with
-one log line; blocks read that, not module globals. On the CPU every path resolves off except the fused kernels in
-Triton's interpreter, which is how this file checks that a switch reaches a model loaded with trust_remote_code."""
+"""One dispatch for the optional fast paths: `fast_paths` (a `from_pretrained` keyword, not written to config.json)
+says per path "auto" / "on" / "off"; `kimi_k3_dispatch` turns it into the `Ops` table each device runs, once per
+device, with one log line; blocks call that table. "on" means on: a path that cannot run on the device or for the
+config's shapes is an error at load. On the CPU every path resolves off except the fused kernels in Triton's
+interpreter, which is how this file checks that a switch reaches a model loaded with trust_remote_code."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -15,8 +17,10 @@ import pytest
 import torch
 
 from configuration_kimi_k3 import FAST_PATH_DEFAULTS, KimiK3Config
-from modeling_kimi_k3 import FastPaths, resolve_fast_paths, use_fast_paths
-from reap_tools.tiny import random_model, tiny_config
+import kimi_k3_dispatch
+from kimi_k3_dispatch import FastPaths, check_shapes, resolve_fast_paths, resolve_ops, use_fast_paths
+from modeling_kimi_k3 import REFERENCE_OPS, KimiK3ForCausalLM
+from reap_tools.tiny import random_model, tiny_config, write_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "demo", "reap40")
@@ -46,12 +50,51 @@ def test_the_environment_overrides_the_config(monkeypatch):
         resolve_fast_paths({"experts": "off"}, "cpu")
 
 
-def test_config_spells_every_path_and_saves_it(tmp_path):
+def test_fast_paths_stay_out_of_a_config_unless_saved_there_on_purpose(tmp_path):
+    assert not hasattr(KimiK3Config(), "fast_paths") and "fast_paths" not in KimiK3Config().to_dict()
     config = KimiK3Config(fast_paths={"experts": False, "fused": "off"})
     assert config.fast_paths == {**FAST_PATH_DEFAULTS, "experts": "off", "fused": "off"}
     config.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["fast_paths"]["fused"] == "off"
     assert KimiK3Config.from_pretrained(tmp_path).fast_paths["experts"] == "off"
+
+
+def test_the_load_time_keyword_is_used_and_not_saved(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO, trust_remote_code=True, fast_paths={"fused": "off"})
+    assert model.dispatch.at_load == {"fused": "off"}
+    assert str(model.dispatch.ops(torch.device("cpu")).paths) == str(FastPaths())  # the remote copy's class
+    assert not hasattr(model.config, "fast_paths")
+    model.save_pretrained(tmp_path / "saved")
+    assert "fast_paths" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+
+
+def test_on_for_a_shape_a_kernel_cannot_run_is_refused_at_load_naming_path_and_field(tmp_path):
+    """Under "on" a kernel never declines a call: shapes it cannot run are refused when the model loads. Under
+    "auto" the op whose kernel cannot run them resolves to its reference (and the log says which)."""
+    folder = write_checkpoint(str(tmp_path / "top3"), packed=True, seed=0, num_experts_per_token=3)
+    with pytest.raises(ValueError, match=r"fast_paths\['fused'\] is 'on', but its kernel for router_topk cannot "
+                                         r"run num_experts_per_token = 3 \(needs a power of two\)"):
+        KimiK3ForCausalLM.from_pretrained(folder, fast_paths={"fused": "on"})
+    config = tiny_config(packed=True, num_experts_per_token=3)
+    assert check_shapes({"fused": "auto"}, config) == {"router_topk"}
+    assert check_shapes({"fused": "off"}, config) == set()
+    ops = resolve_ops(FastPaths(fused=True), REFERENCE_OPS, check_shapes({}, config))
+    assert ops.router_topk is REFERENCE_OPS.router_topk and ops.pair_sum_norm is not REFERENCE_OPS.pair_sum_norm
+    floats = tiny_config(packed=False)
+    with pytest.raises(ValueError, match=r"fast_paths\['experts'\] is 'on', but its kernel for routed_experts "
+                                         r"cannot run quantization_config = float"):
+        check_shapes({"experts": "on"}, floats)
+
+
+def test_a_kernel_refuses_a_shape_it_cannot_run_instead_of_returning_nothing():
+    import fused_triton
+
+    if fused_triton.triton is None:
+        pytest.skip("triton is not installed")
+    with pytest.raises(ValueError, match="router_topk: top_k = 3 is not a power of two"):
+        fused_triton.router_topk(torch.zeros(2, 8), torch.zeros(8), 3, True, 1.0)
 
 
 def test_use_fast_paths_restores_the_previous_choices():
@@ -68,9 +111,7 @@ def test_use_fast_paths_restores_the_previous_choices():
 
 def test_while_autograd_records_only_paths_with_a_backward_are_taken(monkeypatch):
     """Training takes the references and fla's chunked KDA kernel, never a forward-only kernel: with every path
-    resolved on, a forward + backward under autograd calls no fused kernel and gives the reference's gradients."""
-    import modeling_kimi_k3 as code
-
+    resolved on, a forward + backward under autograd calls no other kernel and gives the reference's gradients."""
     every = FastPaths(**{path: True for path in FAST_PATH_DEFAULTS})
     assert every.with_backward() == FastPaths(kda_prefill=True)
 
@@ -82,21 +123,22 @@ def test_while_autograd_records_only_paths_with_a_backward_are_taken(monkeypatch
 
     model = random_model(tiny_config(), seed=0).float()
     reference = grads(model)
-    dispatch = model.language_model.model.dispatch
+    dispatch = model.dispatch
     dispatch.refresh()
-    dispatch._resolved[torch.device("cpu")] = every  # as a CUDA device with triton and fla-core resolves "auto"
     calls = []
-    for name in ("fused_attn_res_mix", "fused_gated_rms_norm", "fused_short_conv", "fused_pair_sum_norm",
-                 "fused_router_topk", "fused_mla_keys", "fused_sigmoid_gated_heads", "triton_routed_experts"):
-        monkeypatch.setattr(code, name, lambda *a, _name=name, **k: calls.append(_name))
-    kernels = []
-    kda_forward = code.kda_forward
-    monkeypatch.setattr(code, "kda_forward", lambda *a, **k: kernels.append(k["kernel"]) or kda_forward(*a, **k))
+    kernels = {f.name: (lambda *a, _name=f.name, **k: calls.append(_name)) for f in dataclasses.fields(REFERENCE_OPS)
+               if f.name != "paths"}
+    # as a CUDA device with triton and fla-core resolves "auto"
+    dispatch._resolved[torch.device("cpu")] = dataclasses.replace(REFERENCE_OPS, paths=every, **kernels)
+    chunks = []
+    kda_forward = kimi_k3_dispatch.kda_forward
+    monkeypatch.setattr(kimi_k3_dispatch, "kda_forward",
+                        lambda *a, **k: chunks.append(k["kernel"]) or kda_forward(*a, **k))
     got = grads(model)
-    assert calls == [] and set(kernels) == {"chunk"}
-    assert dispatch.at(torch.device("cpu")) == FastPaths(kda_prefill=True)
+    assert calls == [] and set(chunks) == {"chunk"}
+    assert dispatch.ops(torch.device("cpu")).paths == FastPaths(kda_prefill=True)
     with torch.no_grad():
-        assert dispatch.at(torch.device("cpu")) == every
+        assert dispatch.ops(torch.device("cpu")).paths == every
     assert got.keys() == reference.keys() and any("q_proj" in n for n in got)
     for name, grad in reference.items():
         torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
@@ -124,9 +166,9 @@ def test_side_stream_variants_are_the_reference_in_another_order(monkeypatch):
     for name in ("kda_side_by_side", "mla_side_by_side", "moe_side_by_side"):
         variant = getattr(code, name)
         monkeypatch.setattr(code, name, lambda *a, _v=variant, _n=name: calls.append(_n) or _v(*a))
-    dispatch = model.language_model.model.dispatch
+    dispatch = model.dispatch
     dispatch.refresh()
-    dispatch._resolved[torch.device("cpu")] = FastPaths(side_streams=True)
+    dispatch._resolved[torch.device("cpu")] = dataclasses.replace(REFERENCE_OPS, paths=FastPaths(side_streams=True))
     got, got_cache = run()
     layers = model.config.text_config.layer_types
     moe = sum(map(bool, map(model.config.text_config.experts_in_layer, range(len(layers)))))
@@ -156,17 +198,18 @@ REMOTE = textwrap.dedent(
     kwargs = {"fast_paths": requested} if requested is not None else {}
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs)
     code = sys.modules[type(model).__module__]  # the remote-code copy transformers imported, not the repository's
+    dispatch = sys.modules[code.__name__.rpartition(".")[0] + ".kimi_k3_dispatch"]
     calls = {"fused": 0}
-    mix = code.fused_attn_res_mix
+    mix = dispatch.triton_attn_res_mix
 
     def counted(*args, **kw):
         calls["fused"] += 1
         return mix(*args, **kw)
 
-    code.fused_attn_res_mix = counted
+    dispatch.triton_attn_res_mix = counted
     with torch.no_grad():
         model(torch.tensor([[5, 17, 9, 33]]))
-    print("RESULT " + json.dumps({"lines": lines, "calls": calls, "config": model.config.fast_paths,
+    print("RESULT " + json.dumps({"lines": lines, "calls": calls, "config": getattr(model.config, "fast_paths", None),
                                   "module": code.__name__}))
     """
 )
@@ -205,7 +248,7 @@ def test_a_switch_reaches_a_model_loaded_with_trust_remote_code(remote_folder, t
     assert off["lines"] == ["Kimi K3 fast paths on cpu: experts=off, kda=off, kda_prefill=off, fused=off, "
                             "side_streams=off, cuda_graphs=off"]
     assert off["calls"]["fused"] == 0
-    assert off["config"]["fused"] == "off"
+    assert off["config"] is None  # a load-time choice, not written into the config
 
 
 ON_SCRIPT = textwrap.dedent(
@@ -239,25 +282,22 @@ def test_on_for_a_cuda_path_fails_at_load_naming_it(remote_folder, tmp_path):
 
 def test_a_block_bank_is_stacked_once_for_every_depth_mix_that_reads_it(monkeypatch):
     """The fused depth mix reads the block bank as one stack: a `BlockBank`, which the decoder hands from layer to
-    layer within a block, makes it once and gives the same tensor to every mix (a plain tuple is stacked at each);
-    where the kernel declines (None) the reference runs."""
+    layer within a block, makes it once and gives the same tensor to every mix (a plain tuple is stacked at each)."""
     import modeling_kimi_k3 as code
 
     stacks = []
-    monkeypatch.setattr(code, "fused_attn_res_mix", lambda stacked, *args: stacks.append(stacked))
+    monkeypatch.setattr(kimi_k3_dispatch, "triton_attn_res_mix", lambda stacked, *args: stacks.append(stacked))
     hidden = 16
     norm, proj, out_norm = code.KimiK3RMSNorm(hidden), code.KimiK3AttnResProj(hidden), code.KimiK3RMSNorm(hidden)
-    with torch.no_grad():
-        proj.weight.normal_(0.0, 0.5)
+    mix = kimi_k3_dispatch.fused_attn_res_mix
     bank, partial = code.BlockBank(torch.randn(1, 3, hidden) for _ in range(3)), torch.randn(1, 3, hidden)
-    mixed = code.attn_res_mix(bank, partial, norm, proj, out_norm, fused=True)
-    code.attn_res_mix(bank, 2 * partial, norm, proj, out_norm, fused=True)
+    mix(bank, partial, norm, proj, out_norm)
+    mix(bank, 2 * partial, norm, proj, out_norm)
     assert stacks[0] is stacks[1] and torch.equal(stacks[0], torch.stack(tuple(bank)))
     plain = tuple(bank)
     for _ in range(2):
-        code.attn_res_mix(plain, partial, norm, proj, out_norm, fused=True)
+        mix(plain, partial, norm, proj, out_norm)
     assert stacks[2] is not stacks[3]
-    assert torch.equal(mixed, code.attn_res_mix(plain, partial, norm, proj, out_norm))
 
     model = random_model(tiny_config(), seed=0).float()
     layers = model.language_model.model.layers

@@ -106,7 +106,7 @@ def test_packed_experts_equal_their_dequantized_bf16_twin():
 
 
 def test_latent_absorbed_mla_equals_expanded_attention():
-    from modeling_kimi_k3 import KimiK3MLAttention, _causal_padding_mask
+    from modeling_kimi_k3 import KimiK3MLAttention, causal_padding_mask
 
     config = tiny_config(packed=False).text_config
     torch.manual_seed(0)
@@ -118,9 +118,10 @@ def test_latent_absorbed_mla_equals_expanded_attention():
     latent = torch.randn(batch, keys, config.kv_lora_rank + config.qk_rope_head_dim, dtype=torch.float64)
     padding = torch.ones(batch, keys, dtype=torch.long)
     padding[1, :4] = 0
-    mask = _causal_padding_mask(padding, torch.arange(keys - queries, keys), keys)
-    torch.testing.assert_close(attention.attend_absorbed(q, latent, mask), attention.attend_expanded(q, latent, mask),
-                               atol=1e-10, rtol=1e-10)
+    positions = torch.arange(keys - queries, keys)
+    mask, ops = causal_padding_mask(padding, positions, keys), attention.dispatch.ops(q.device)
+    torch.testing.assert_close(attention.attend_absorbed(q, latent, padding, positions, ops),
+                               attention.attend_expanded(q, latent, mask, ops), atol=1e-10, rtol=1e-10)
 
 
 def test_static_cache_generates_what_the_growing_cache_does(model):

@@ -1,9 +1,11 @@
-"""The batched CPU/reference path of the MXFP4 routed experts equals the per-expert loop it replaces."""
+"""The reference routed experts (`modeling_kimi_k3.routed_experts`, batched over the expert stack) give each
+(token, slot) pair the output of its expert module's own forward."""
 
 import pytest
 import torch
 
 import modeling_kimi_k3
+from modeling_kimi_k3 import routed_experts
 from reap_tools.tiny import random_model, tiny_config
 
 EXPERTS, TOP_K, LATENT, INNER = 8, 3, 64, 96
@@ -23,21 +25,15 @@ def moe():
     return moe
 
 
-def per_expert_loop(moe, z, ids, weights):
-    """The expert sum as the model computed it before batching: each expert's `forward` on its own rows."""
-    top_k = ids.shape[1]
-    order = ids.flatten().argsort(stable=True)
-    counts = torch.bincount(ids.flatten(), minlength=moe.num_experts).tolist()
-    token = order // top_k
-    routed = z[token]
-    out = torch.empty(routed.shape, dtype=torch.float32)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            out[start : start + count] = moe.experts[e](routed[start : start + count]).float()
-            start += count
-    out *= weights.flatten()[order, None]
-    return torch.zeros(z.shape, dtype=torch.float32).index_add_(0, token, out)
+def per_expert_loop(moe, z, ids):
+    """Each (token, slot)'s expert output as the model computed it before batching: each expert's `forward` on the
+    rows routed to it, in token order; zeros for ids past the experts (another rank's)."""
+    out = torch.zeros(*ids.shape, z.shape[-1], dtype=z.dtype)
+    for e in ids.unique().tolist():
+        if e < moe.num_experts:
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            out[token, slot] = moe.experts[e](z[token])
+    return out
 
 
 def routing(tokens, generator):
@@ -63,22 +59,33 @@ def test_batched_experts_equal_the_per_expert_loop(moe, monkeypatch, dtype, toke
     g = torch.Generator().manual_seed(tokens)
     z = torch.randn(tokens, LATENT, generator=g).to(dtype)
     ids = routing(tokens, g) if ids is None else torch.tensor(ids)
-    weights = torch.rand(tokens, TOP_K, generator=g)
     counts = torch.bincount(ids.flatten(), minlength=EXPERTS)
     assert counts[6:].sum() == 0 and (tokens != 9 or counts[2] == 9 and (counts[counts > 0] < 9).any())
     with torch.no_grad():
-        ours = moe.routed_experts(z, ids, weights)
-        ref = per_expert_loop(moe, z, ids, weights)
-    assert ours.dtype == torch.float32 and ours.shape == (tokens, LATENT)
+        ours = routed_experts(moe, z, ids)
+        ref = per_expert_loop(moe, z, ids)
+    assert ours.dtype == dtype and ours.shape == (tokens, TOP_K, LATENT)
     assert ref.abs().max() > 1.0  # the experts produce something to compare
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_pairs_of_another_ranks_experts_are_zero_rows(moe):
+    """Under expert parallel, ids equal to the expert count stand for experts another rank holds."""
+    z = torch.randn(3, LATENT)
+    ids = torch.tensor([[0, EXPERTS, 4], [EXPERTS, EXPERTS, EXPERTS], [7, 1, EXPERTS]])
+    with torch.no_grad():
+        ours = routed_experts(moe, z, ids)
+        ref = per_expert_loop(moe, z, ids)
+    foreign = ids == EXPERTS
+    assert bool((ours[foreign] == 0).all()) and ref[~foreign].abs().max() > 1.0
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
 
 
 def test_no_tokens(moe):
     z = torch.zeros(0, LATENT)
     with torch.no_grad():
-        out = moe.routed_experts(z, torch.zeros(0, TOP_K, dtype=torch.long), torch.zeros(0, TOP_K))
-    assert out.shape == (0, LATENT)
+        out = routed_experts(moe, z, torch.zeros(0, TOP_K, dtype=torch.long))
+    assert out.shape == (0, TOP_K, LATENT)
 
 
 def test_packs_are_read_from_shared_stacks_and_still_save(tmp_path):

@@ -4,7 +4,7 @@ its filled keys (CPU, fp32, tiny random models)."""
 import pytest
 import torch
 
-from modeling_kimi_k3 import KimiK3Cache, KimiK3LatentCacheLayer, KimiK3StaticCache
+from kimi_k3_cache import KimiK3Cache, KimiK3LatentCacheLayer, KimiK3StaticCache
 from reap_tools.tiny import random_model, tiny_config
 
 PROMPT = torch.tensor([[7, 41, 300, 2, 99, 18, 5, 260, 33, 12, 71],

@@ -34,8 +34,6 @@ ALLOWED = {
                                 "this repo's bare decoder"),
     ("auto_map", "AutoModelForCausalLM"): ("modeling_kimi_k3.KimiK3ForConditionalGeneration",
                                            "modeling_kimi_k3.KimiK3ForCausalLM", "this repo's text LM"),
-    ("fast_paths",): (None, {"experts": "auto", "kda": "auto", "kda_prefill": "auto", "fused": "auto",
-                             "side_streams": "auto", "cuda_graphs": "auto"}, "ours: the optional CUDA paths"),
     ("text_config", "num_experts"): (896, 320, "the prune: 320 routed experts per MoE layer"),
     ("text_config", "max_position_embeddings"): (1048576, 131072, "the context this checkpoint declares"),
     ("text_config", "auto_map"): (PARENT["text_config"]["auto_map"], None,

@@ -187,12 +187,14 @@ def test_expert_parallel_moe_block_sums_to_the_whole_block(tokens, monkeypatch):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_per_pair_expert_outputs_are_weighted_and_summed_by_the_block(ranks, monkeypatch):
-    """The expert kernels' contract (`mxfp4_triton.routed_experts`): each (token, slot)'s expert output on its own,
-    unweighted, other ranks' rows unwritten; the block weights them in fp32 and sums them (`normed_sum`), under
-    expert parallel through `ExpertParallel.sum_pairs`. A torch stand-in for the kernels (its unwritten rows NaN)
+    """The `routed_experts` op's contract, which the expert kernels keep: each (token, slot)'s expert output on its
+    own, unweighted, other ranks' rows not to be read; `pair_sum_norm` weights them in fp32 and sums them, under
+    expert parallel through `ExpertParallel.sum_pairs`. A torch stand-in for the kernels (its other ranks' rows NaN)
     gives the reference path's output, whole and as two expert-parallel ranks."""
-    import modeling_kimi_k3
-    from modeling_kimi_k3 import FastPaths
+    import dataclasses
+
+    from kimi_k3_dispatch import FastPathDispatch, FastPaths
+    from modeling_kimi_k3 import REFERENCE_OPS
     from tp_emulation import two_rank_moe
 
     def per_pair_outputs(moe, z, ids):
@@ -205,10 +207,10 @@ def test_per_pair_expert_outputs_are_weighted_and_summed_by_the_block(ranks, mon
     model = random_model(tiny_config(packed=True, **TEXT), seed=1)
     moe = model.language_model.model.layers[1].block_sparse_moe
     x = torch.randn(7, model.config.text_config.hidden_size)
+    stand_in = dataclasses.replace(REFERENCE_OPS, paths=FastPaths(experts=True), routed_experts=per_pair_outputs)
     with torch.no_grad():
         whole = moe(x)
-        monkeypatch.setattr(modeling_kimi_k3, "triton_routed_experts", per_pair_outputs)
-        monkeypatch.setattr(modeling_kimi_k3.FastPathDispatch, "at", lambda self, device: FastPaths(experts=True))
+        monkeypatch.setattr(FastPathDispatch, "ops", lambda self, device, offloaded=False: stand_in)
         out = moe(x) if ranks == 1 else two_rank_moe(moe, x, monkeypatch)[0]
     assert not out.isnan().any()
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)

@@ -1,8 +1,9 @@
 """Every Triton kernel the model launches compiles for Hopper (sm90) without a GPU, with the argument types and
 constexprs its real call site passes.
 
-The dispatch code runs on CPU tensors at the release's widths (the model's own blocks calling `mxfp4_triton` and
-`fused_triton`, every fast path resolved as on unless a call switches it off) with each kernel's launch replaced
+The dispatch code runs on CPU tensors at the release's widths (the model's own blocks calling their `Ops` table, every
+fast path resolved as on unless a call switches it off, so the table holds the `mxfp4_triton` and `fused_triton`
+kernels) with each kernel's launch replaced
 by a recorder. Triton's
 own binder then turns each recorded call into the signature, constexprs and alignment attributes that a launch on
 the GPU would compile (as `JITFunction.run` does), and Triton's front end, passes and ptxas run on the host. So a
@@ -27,12 +28,12 @@ from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import fused_triton  # noqa: E402
-import modeling_kimi_k3  # noqa: E402
+import kimi_k3_dispatch  # noqa: E402
 import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import (BlockBank, FastPaths, KimiK3AttnResProj, KimiK3Cache, KimiK3DeltaAttention,  # noqa: E402
-                              KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, attn_res_mix,
-                              use_fast_paths)
+from kimi_k3_dispatch import FastPaths, use_fast_paths  # noqa: E402
+from modeling_kimi_k3 import (BlockBank, KimiK3AttnResProj, KimiK3Cache, KimiK3DeltaAttention,  # noqa: E402
+                              KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, new_dispatch)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SM90 = GPUTarget("cuda", 90, 32)
@@ -93,7 +94,7 @@ def recorded():
     try:
         for module, name in launched_kernels():
             patch.setattr(module, name, Recorder(name, getattr(module, name), calls))
-        patch.setattr(modeling_kimi_k3, "resolve_fast_paths", every_path_unless_off)
+        patch.setattr(kimi_k3_dispatch, "resolve_fast_paths", every_path_unless_off)
         # the prompt path's rule without its SM90 check, and its grouped GEMMs (torch's, not Triton's) skipped
         patch.setattr(mxfp4_triton, "upcast_once_pays",
                       lambda pairs, experts, device: pairs >= mxfp4_triton.UPCAST_ONCE_MIN_PAIRS_PER_EXPERT * experts)
@@ -139,11 +140,13 @@ def record_moe(text):
             scale = moe.experts[0].w1.weight_scale
             scale[0, 0] = 127 if lop3 else 200  # a scale code above LOP3_MAX_SCALE_CODE sends a layer to dot_scaled
             moe.expert_stack = None
-            assert moe.stack_experts().lop3_ok is lop3
-            pairs = mxfp4_triton.routed_experts(moe, z, ids)
-            assert pairs is not None and pairs.dtype == torch.bfloat16
-        moe.normed_sum(pairs, weights, z.dtype, fused=True)  # the experts' bf16 outputs, weighted in the kernel
-        moe.normed_sum(torch.randn(tokens, 1, text.routed_expert_hidden_size), None, z.dtype, fused=True)  # EP's sum
+            assert mxfp4_triton.lop3_applies(moe.stack_experts()) is lop3
+            ops = moe.dispatch.ops(z.device)
+            pairs = ops.routed_experts(moe, z, ids)
+            assert pairs.shape == (*ids.shape, text.routed_expert_hidden_size) and pairs.dtype == torch.bfloat16
+        ops.pair_sum_norm(pairs, weights, moe.routed_expert_norm, z.dtype)  # the experts' bf16 outputs, weighted
+        ops.pair_sum_norm(torch.randn(tokens, 1, text.routed_expert_hidden_size), None, moe.routed_expert_norm,
+                          z.dtype)  # expert parallel's weighted sum
 
 
 def record_attn_res_mix(text):
@@ -153,10 +156,10 @@ def record_attn_res_mix(text):
     blocks = -(-text.num_hidden_layers // text.attn_res_block_size)
     for module in (norm, out_norm, proj):
         module.to(torch.bfloat16)
+    ops = new_dispatch(text).ops(torch.device("cpu"))
     for sources, tokens in ((2, 1), (blocks + 1, 1), (blocks + 1, 16)):
         bank = BlockBank(torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16) for _ in range(sources - 1))
-        attn_res_mix(bank, torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16), norm, proj, out_norm,
-                     fused=True)
+        ops.attn_res_mix(bank, torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16), norm, proj, out_norm)
 
 
 def record_short_convs(text):
@@ -171,18 +174,19 @@ def record_short_convs(text):
     def projected(tokens):
         return tuple(torch.randn(1, tokens, width).to(torch.bfloat16) for _ in range(3))
 
-    attn.short_convs(projected(7), None, False, fused=True, fused_dtype=torch.float32)  # for fla's chunked KDA
-    _, histories = attn.short_convs(projected(7), None, False, fused=True)
-    attn.short_convs(projected(1), histories, False, fused=True)
+    ops, convs = attn.dispatch.ops(torch.device("cpu")), (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)
+    ops.short_convs(projected(7), convs, None, False, torch.float32)  # for fla's chunked KDA
+    _, histories = ops.short_convs(projected(7), convs, None, False)
+    ops.short_convs(projected(1), convs, histories, False)
     cache = KimiK3StaticCache(text, batch_size=1, max_length=16, cuda_graph=False)
     layer = cache.layers[0]
     layer.update(histories, torch.zeros(1, attn.num_heads, attn.head_dim, attn.head_dim))
-    attn.short_convs(projected(1), layer.conv_states, layer.in_place, fused=True)
+    ops.short_convs(projected(1), convs, layer.conv_states, layer.in_place)
     attn.o_norm = attn.o_norm.to_empty(device="cpu").to(torch.bfloat16)
     heads = (1, 7, attn.num_heads, attn.head_dim)  # a prompt's fp32 output (fla's chunked kernel), a decode step's bf16
-    attn.gated_norm(torch.randn(heads), torch.randn(heads).to(torch.bfloat16), torch.bfloat16, fused=True)
-    attn.gated_norm(torch.randn(heads[:1] + (1,) + heads[2:]).to(torch.bfloat16),
-                    torch.randn(heads[:1] + (1,) + heads[2:]).to(torch.bfloat16), torch.bfloat16, fused=True)
+    ops.gated_rms_norm(torch.randn(heads), torch.randn(heads).to(torch.bfloat16), attn.o_norm, torch.bfloat16)
+    ops.gated_rms_norm(torch.randn(heads[:1] + (1,) + heads[2:]).to(torch.bfloat16),
+                       torch.randn(heads[:1] + (1,) + heads[2:]).to(torch.bfloat16), attn.o_norm, torch.bfloat16)
 
 
 def record_latent_attention(text):
@@ -199,12 +203,12 @@ def record_latent_attention(text):
     x = torch.randn(1, 1, text.hidden_size).to(torch.bfloat16)
     static = KimiK3StaticCache(text, batch_size=1, max_length=64, cuda_graph=False)
     mask, positions = static.prepare(None, 1, 1, "cpu")
-    static.seen_tokens = 1
+    static.advance(1)
     attn(x, mask, static, positions + 9)
     growing = KimiK3Cache(text)
     growing.layers[3].update(torch.randn(1, 9, text.kv_lora_rank + text.qk_rope_head_dim).to(torch.bfloat16),
                              torch.arange(9))
-    growing.seen_tokens = 9
+    growing.advance(9)
     attn(x, None, growing)
     attn(x, torch.ones(1, 10, dtype=torch.long), growing)
 

@@ -67,7 +67,7 @@ UPCAST_ONCE_SCRIPT = textwrap.dedent(
     """
     import torch
     import mxfp4_triton as mt
-    from modeling_kimi_k3 import situ_glu
+    from modeling_kimi_k3 import routed_experts, situ_glu
     from mxfp4 import dequantize_unchecked
     from reap_tools.tiny import random_model, tiny_config
 
@@ -108,12 +108,11 @@ UPCAST_ONCE_SCRIPT = textwrap.dedent(
     stack = moe.stack_experts()
     z = torch.randn(tokens, latent).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts + 1)[:top_k] for _ in range(tokens)])  # id 6: another rank's expert
-    weights = torch.rand(tokens, top_k)
-    ref = moe.routed_experts(z, ids, weights)
+    ref = routed_experts(moe, z, ids).float()
     for chunk in (None, 3 * latent * inner * 2 * 2):
         outputs = mt.run_experts_upcast_once(stack, z, ids, experts, 4.0, 25.0, chunk_bytes=chunk)
         assert outputs.shape == (tokens, top_k, latent) and bool((outputs[ids == experts] == 0).all())
-        err = (((outputs.float() * weights[..., None]).sum(1) - ref).norm() / ref.norm()).item()
+        err = ((outputs.float() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, err  # bf16 rounding of SiTU's output, truncated by the interpreter
     print("ok")
     """
@@ -124,7 +123,8 @@ FUSED_SCRIPT = textwrap.dedent(
     """
     import torch
     import fused_triton
-    from modeling_kimi_k3 import KimiK3AttnResProj, KimiK3RMSNorm, attn_res_mix, short_conv
+    from kimi_k3_dispatch import fused_attn_res_mix
+    from modeling_kimi_k3 import KimiK3AttnResProj, KimiK3RMSNorm, short_conv
 
     torch.manual_seed(0)
     assert fused_triton.supported("cpu")
@@ -137,7 +137,7 @@ FUSED_SCRIPT = textwrap.dedent(
             norm.weight.uniform_(0.5, 1.5)
             out_norm.weight.uniform_(0.5, 1.5)
             proj.weight.normal_(0.0, 0.2)
-            out = attn_res_mix(sources[:-1], sources[-1], norm, proj, out_norm, fused=True)  # the kernel
+            out = fused_attn_res_mix(sources[:-1], sources[-1], norm, proj, out_norm)  # the kernel
         v = torch.stack(sources).double()
         normed = v * (v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).rsqrt() * norm.weight.double()
         p = (normed @ proj.weight[0].double()).softmax(0).unsqueeze(-1)
@@ -183,7 +183,6 @@ FUSED_SCRIPT = textwrap.dedent(
             ref_weights = ref_weights / (ref_weights.sum(-1, keepdim=True) + 1e-20)
         assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids), ("router ids", rows, experts, k)
         assert torch.allclose(weights, ref_weights * 2.5, rtol=1e-6, atol=0), ("router weights", rows, experts, k)
-    assert fused_triton.router_topk(torch.zeros(1, 8), torch.zeros(8), 3, True, 1.0) is None  # k not a power of 2
 
     # the LatentMoE's weighted sum over slots (of bf16 expert outputs, or of fp32 terms weighted already), rounded
     # to the activation dtype, and its RMSNorm (or none)
@@ -211,8 +210,11 @@ FUSED_SCRIPT = textwrap.dedent(
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         tol = 1e-6 if dtype == torch.float32 else 2 ** -6  # bf16: roundings truncated here
         assert out.shape == shape and out.dtype == dtype and err < tol, ("gated norm", shape, err)
-    assert fused_triton.gated_rms_norm(torch.zeros(1, 48), torch.zeros(1, 48), torch.ones(48), 1e-5,
-                                       torch.float32) is None  # not a power of two
+    try:
+        fused_triton.gated_rms_norm(torch.zeros(1, 48), torch.zeros(1, 48), torch.ones(48), 1e-5, torch.float32)
+        raise AssertionError("a head width that is not a power of two ran")
+    except ValueError as err:
+        assert "not a power of two" in str(err)
 
     # MLA's per-head keys: k_nope from kv_b_proj's output beside the latent's k_r, bit for bit the concatenation,
     # from a latent whose rows are apart (a cache's view) and heads not a multiple of the program's 16
@@ -287,6 +289,46 @@ LATENT_SCRIPT = textwrap.dedent(
 )
 
 
+SAME_INTERMEDIATE_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import mxfp4_triton as mt
+    from modeling_kimi_k3 import REFERENCE_OPS, pair_sum_norm, routed_experts
+    from kimi_k3_dispatch import FastPaths, resolve_ops
+    from reap_tools.tiny import random_model, tiny_config
+
+    torch.manual_seed(0)
+    kernels = resolve_ops(FastPaths(experts=True, fused=True), REFERENCE_OPS)
+    assert kernels.routed_experts is not routed_experts and kernels.pair_sum_norm is not pair_sum_norm
+    config = tiny_config(packed=True, routed_expert_hidden_size=64, moe_intermediate_size=96, num_experts=6,
+                         num_experts_per_token=2)
+    moe = random_model(config, seed=1).language_model.model.layers[1].block_sparse_moe.to(torch.bfloat16)
+    with torch.no_grad():
+        for e in moe.experts:
+            for lin in (e.w1, e.w2, e.w3):
+                lin.weight_packed.copy_(torch.randint(0, 256, lin.weight_packed.shape, dtype=torch.uint8))
+                lin.weight_scale.copy_(torch.randint(112, 124, lin.weight_scale.shape, dtype=torch.uint8))
+    for tokens in (1, 5):  # one token: per-pair blocks; several: sorted blocks
+        z = torch.randn(tokens, 64).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(7)[:2] for _ in range(tokens)])  # id 6: another rank's expert
+        weights = torch.rand(tokens, 2)
+        with torch.no_grad():
+            ref, got = routed_experts(moe, z, ids), kernels.routed_experts(moe, z, ids)
+            mine = ids < 6
+            # the same intermediate: each (token, slot)'s unweighted expert output, [N, k, L] in z's dtype
+            assert got.shape == ref.shape == (tokens, 2, 64) and got.dtype == ref.dtype == torch.bfloat16
+            err = ((got.float() - ref.float())[mine].norm() / ref.float()[mine].norm()).item()
+            assert err < 1e-2, ("pairs", tokens, err)  # bf16 rounding of SiTU's output, truncated here
+            # and the same next step: weighted in fp32, summed over k, normed, through either op
+            pairs = torch.where(mine[..., None], ref, 0)
+            a = pair_sum_norm(pairs, weights, moe.routed_expert_norm, torch.bfloat16)
+            b = kernels.pair_sum_norm(pairs, weights, moe.routed_expert_norm, torch.bfloat16)
+            assert a.shape == b.shape == (tokens, 64) and ((a.float() - b.float()).abs().max() / a.abs().max()) < 2**-6
+    print("ok")
+    """
+)
+
+
 def run_in_interpreter(script):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -307,6 +349,13 @@ def test_upcast_once_experts_in_the_triton_interpreter():
     """mxfp4_triton's prompt path: the upcast kernel bit for bit, SiTU-GLU, the grouped GEMMs over sorted pairs,
     the scatter of their outputs back to (token, slot) order."""
     run_in_interpreter(UPCAST_ONCE_SCRIPT)
+
+
+@needs_triton
+def test_both_moe_paths_produce_the_same_intermediate():
+    """The reference `routed_experts` and the expert kernels (its drop-in) give the same per-(token, slot) outputs,
+    which either `pair_sum_norm` then weights, sums and norms."""
+    run_in_interpreter(SAME_INTERMEDIATE_SCRIPT)
 
 
 @needs_triton

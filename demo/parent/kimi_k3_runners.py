@@ -1,0 +1,1 @@
+../../kimi_k3_runners.py
