@@ -4,19 +4,16 @@
 For each context, one layer starts from that many cached latents (a prompt's, kept as given) and appends 256 single
 tokens; prints the mean GPU time of an append, the peak memory above the start, and the ratio.
 
-    python bench/cache_growth.py [--out bench/results/cache_growth_h200.json]
+    python -m bench.cache_growth [--out bench/results/cache_growth_h200.json]
 """
 
 import argparse
-import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from modeling_kimi_k3 import KimiK3LatentCacheLayer  # noqa: E402
+from bench import common
+from kimi_k3_cache import KimiK3LatentCacheLayer
 
 WIDTH, STEPS = 512 + 64, 256  # kv_lora_rank + qk_rope_head_dim
 
@@ -37,20 +34,16 @@ def appends(layer_type, context, device):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for token in tokens:
-        keys = layer.update(token, None)
-    end.record()
-    torch.cuda.synchronize()
+    with common.Timer() as t:
+        for token in tokens:
+            keys = layer.update(token, None)
     assert keys.shape[1] == context + STEPS
-    return start.elapsed_time(end) / STEPS, torch.cuda.max_memory_allocated() - base
+    return t.ms / STEPS, torch.cuda.max_memory_allocated() - base
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "cache_growth_h200.json"))
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "cache_growth_h200.json"))
     args = parser.parse_args()
     result = {"device": torch.cuda.get_device_name(), "steps": STEPS, "width": WIDTH, "contexts": {}}
     for context in (2048, 32768, 131072):
@@ -63,8 +56,7 @@ def main():
         print(f"context {context}: append {grown_ms * 1e3:.1f} us (buffer with room) vs {cat_ms * 1e3:.1f} us "
               f"(concatenation), {cat_ms / grown_ms:.1f}x; peak +{grown_peak / 2**20:.0f} vs +{cat_peak / 2**20:.0f} "
               f"MiB; x 24 MLA layers: {24 * grown_ms:.2f} vs {24 * cat_ms:.2f} ms a token", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    common.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ row per sequence, the routed experts the router actually picked in that step, KD
 latents of the real tokens) / device copy bandwidth measured in the same run. With `--profile` it also prints the
 kernels of one eager step by total time. Prints one line per measurement and writes everything as JSON.
 
-    python bench/decode.py --out bench/results/decode_h200.json [--layers N] [--context 2048] [--steps 16]
+    python -m bench.decode --out bench/results/decode_h200.json [--layers N] [--context 2048] [--steps 16]
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,14 +25,13 @@ import traceback
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import kda  # noqa: E402
-import mxfp4_triton  # noqa: E402
-from configuration_kimi_k3 import FAST_PATH_DEFAULTS, KimiK3Config  # noqa: E402
-from layer import copy_bandwidth, expert_bytes, nbytes  # noqa: E402  (bench/layer.py)
-from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3StaticCache, MXFP4Linear, resolve_fast_paths  # noqa: E402
+import kda
+import mxfp4_triton
+from bench import common
+from bench.common import Timer, copy_bandwidth, expert_bytes, fill_experts, nbytes, truncated
+from configuration_kimi_k3 import FAST_PATH_DEFAULTS, KimiK3Config
+from kimi_k3_dispatch import resolve_fast_paths
+from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3StaticCache, MXFP4Linear
 
 GiB = 1 << 30
 
@@ -41,17 +39,6 @@ GiB = 1 << 30
 def layer_bytes(model):
     """Bytes of each decoder layer's parameters (meta tensors count too)."""
     return [nbytes(list(layer.parameters())) for layer in model.language_model.model.layers]
-
-
-def truncated(config, layers):
-    """The release config cut to its first `layers` decoder layers (layer kinds and expert counts kept)."""
-    d = config.to_dict()
-    text = d["text_config"]
-    text["num_hidden_layers"] = layers
-    lac = text["linear_attn_config"]
-    for key in ("full_attn_layers", "kda_layers"):
-        lac[key] = [i for i in lac[key] if i <= layers]  # 1-based layer numbers
-    return KimiK3Config(**d)
 
 
 def build(config, layers, seed=0, device="cuda"):
@@ -78,11 +65,7 @@ def build(config, layers, seed=0, device="cuda"):
             if moe is None:
                 continue
             moe.gate.weight.normal_(0.0, 0.02)
-            stack = moe.stack_experts()  # the per-expert packs become views of these stacks
-            for packed in (stack.w1, stack.w3, stack.w2):
-                packed.random_(0, 256)
-            for scale in (stack.s1, stack.s3, stack.s2):
-                scale.random_(114, 124)
+            fill_experts(moe)
         for name in ("self_attention_res_proj", "mlp_res_proj"):
             for layer in text.layers:
                 getattr(layer, name).weight.normal_(0.0, 0.02)
@@ -149,12 +132,9 @@ def time_steps(model, cache, steps, batch, vocab, gen):
     with torch.no_grad():
         for _ in range(steps):
             ids = torch.randint(0, vocab, (batch, 1), device="cuda", generator=gen)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            model(ids, past_key_values=cache, use_cache=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            with Timer() as t:
+                model(ids, past_key_values=cache, use_cache=True)
+            times.append(t.ms)
     return times
 
 
@@ -200,11 +180,13 @@ def generate_tok_s(model, prompt, new_tokens, static):
 def compile_blocks():
     """Experiment: `torch.compile` the model's elementwise building blocks in place (norms, depth mixes, SiTU,
     router, KDA gate and decode step), so that the graph replays fused kernels instead of chains of small ones."""
+    import dataclasses
+
     import modeling_kimi_k3 as m
 
     torch._dynamo.config.cache_size_limit = 64
-    m.attn_res_mix = torch.compile(m.attn_res_mix, dynamic=False)
-    m.situ_glu = torch.compile(m.situ_glu, dynamic=False)
+    m.REFERENCE_OPS = dataclasses.replace(m.REFERENCE_OPS, attn_res_mix=torch.compile(m.attn_res_mix, dynamic=False),
+                                          situ_glu=torch.compile(m.situ_glu, dynamic=False))
     for cls in (m.KimiK3RMSNorm, m.KimiK3Router):
         cls.forward = torch.compile(cls.forward, dynamic=False)
     kda.recurrent_kda = torch.compile(kda.recurrent_kda, dynamic=False)
@@ -223,7 +205,7 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
     max_length = args.context + 2 * args.steps + 8
     try:
         for name, graph, switches in modes:
-            model.language_model.model.dispatch.set(**switches)
+            model.dispatch.set(**switches)
             cache = KimiK3StaticCache(model.config, batch, max_length, cuda_graph=graph)
             t0 = time.time()
             prefill(model, cache, prompt, args.chunk)
@@ -254,13 +236,13 @@ def run_modes(model, config, batch, modes, args, bandwidth, results, save):
             torch.cuda.empty_cache()
             save()
     finally:
-        model.language_model.model.dispatch.set(**DEFAULTS)
+        model.dispatch.set(**DEFAULTS)
         routes.remove()
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "decode_h200.json"))
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "decode_h200.json"))
     parser.add_argument("--layers", type=int, default=None, help="decoder layers to keep (default: as many as fit)")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens cached before the decode steps")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (bounds activation memory)")
@@ -276,12 +258,11 @@ def main(argv=None):
                         help="then also time graphs of torch.compile'd building blocks (an experiment)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/decode.py needs a CUDA device", file=sys.stderr)
+        print("bench.decode needs a CUDA device", file=sys.stderr)
         return 2
-    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
-        kda.quick_tune(1)
+    common.quick_tune_from_env()
     started = time.time()
-    config = KimiK3Config.from_pretrained(ROOT)
+    config = KimiK3Config.from_pretrained(common.ROOT)
     with torch.device("meta"):
         sizes = layer_bytes(KimiK3ForCausalLM(config))
     free, total = torch.cuda.mem_get_info()
@@ -295,13 +276,11 @@ def main(argv=None):
                "layer_types": config.text_config.layer_types[:layers], "context": args.context,
                "gpu_free_GiB_at_start": free / GiB, "weights_GiB": (sum(sizes[:layers]) + fixed) / GiB,
                "mxfp4_decode_config": mxfp4_triton.CONFIGS["decode"],
-               "fast_paths": str(resolve_fast_paths(config.fast_paths, "cuda"))}
+               "fast_paths": str(resolve_fast_paths({}, "cuda"))}
 
     def save():
         results["elapsed_s"] = time.time() - started
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        common.write_json(args.out, results)
 
     results["copy_bandwidth_GBps"] = copy_bandwidth(10) / 1e9
     print(f"{layers} of {len(sizes)} layers ({results['weights_GiB']:.1f} GiB of weights) on "

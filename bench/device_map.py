@@ -13,7 +13,7 @@ the warm-up and capture steps. Writes
     {"runs": [{"name", "devices", "segments", "same_tokens_as_single_device", "first_difference", "ms_per_step",
                "captured"}], "prompt", "steps", "fast_paths"}
 
-    python bench/device_map.py --out bench/results/device_map_h200.json [--steps 48]
+    python -m bench.device_map --out bench/results/device_map_h200.json [--steps 48]
 """
 
 import argparse
@@ -24,11 +24,10 @@ import sys
 import time
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from bench import common
+from bench.common import ROOT
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -70,7 +69,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default=os.path.join(ROOT, "demo", "parent"))
     parser.add_argument("--steps", type=int, default=48)
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "device_map_h200.json"))
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "device_map_h200.json"))
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, trust_remote_code=True)
     prompt_ids = torch.tensor([tokenizer.encode(PROMPT)])
@@ -96,11 +95,7 @@ def main():
     print(repr(tokenizer.decode(reference)))
     result = {"runs": runs, "prompt": PROMPT, "steps": args.steps, "fast_paths": fast,
               "checkpoint": os.path.relpath(args.checkpoint, ROOT), "device": torch.cuda.get_device_name()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, args.out)
+    common.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -7,21 +7,18 @@ dequantized per call, or plain fp32 with --bf16-experts' counterpart row). Print
 ours / native. Needs transformers 5.x (which has `kimi_linear`); run with fla-core absent, since transformers would
 hand native KDA to fla's GPU kernels.
 
-    python bench/generate_cpu.py [--new-tokens 64] [--prompt 32] [--rounds 3] [--threads N] [--json out.json]
+    python -m bench.generate_cpu [--new-tokens 64] [--prompt 32] [--rounds 3] [--threads N] [--json out.json]
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from reap_tools.tiny import random_model, tiny_config  # noqa: E402
+from bench import common
+from reap_tools.tiny import random_model, tiny_config
 
 SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_experts=16,
              num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=128, num_attention_heads=4,
@@ -116,8 +113,7 @@ def main(argv=None):
             print(f"ratio {name} / native: {results['tok_s'][name] / base:.2f}")
     results["load_average_at_end"] = os.getloadavg()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        common.write_json(args.json, results)
     return 0
 
 

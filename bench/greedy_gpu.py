@@ -1,21 +1,18 @@
 """Which fast path moves greedy decoding away from the reference: the teacher-forced check of
-tests/test_gpu_paths.py (64 greedy steps of its small bf16 model) with one fast path on at a time, then all.
+tests/test_gpu_paths.py (64 greedy steps of `bench.common.small_model`, bf16) with one fast path on at a time, then
+all.
 
 Prints, per combination, the share of steps where the reference's argmax is the fast run's token and the mean and
-largest shortfall in logit standard deviations. CUDA only: `python bench/greedy_gpu.py`.
+largest shortfall in logit standard deviations. CUDA only: `python -m bench.greedy_gpu`.
 """
 
-import os
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-
-import kda  # noqa: E402
-from modeling_kimi_k3 import use_fast_paths  # noqa: E402
-from test_gpu_paths import small_model, teacher_forced  # noqa: E402
+from bench import common
+from bench.common import small_model, teacher_forced
+from kimi_k3_dispatch import use_fast_paths
 
 COMBINATIONS = {  # Triton experts, fla decode, fla prefill
     "reference": (False, False, False),
@@ -31,8 +28,7 @@ def main():
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
-        kda.quick_tune(1)
+    common.quick_tune_from_env()
     model = small_model()
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device="cuda")
     for name, (experts, decode, prefill) in COMBINATIONS.items():

@@ -14,21 +14,17 @@ A_log for decay rates 1..16, dt_bias small. The float64 truth runs `kda.chunk_kd
 (gate, l2norm and sigmoid recomputed in float64). After the prompt, 32 decode steps of new random tokens run with
 fla's recurrent kernel from each path's state, against float64 decode steps from the true state.
 
-    python bench/kda_parity.py --out bench/results/kda_parity_h200.json
+    python -m bench.kda_parity --out bench/results/kda_parity_h200.json
 """
 
 import argparse
-import json
 import os
 import statistics
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import kda  # noqa: E402
+import kda
+from bench import common
 
 HEADS, DIM, LOWER_BOUND = 96, 128, -5.0
 DECODE_STEPS = 32
@@ -79,19 +75,6 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def time_ms(fn, reps=5):
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(length, seed=0):
     x, (A_log, dt_bias) = inputs(length, seed), weights(seed)
     true_o, true_state = truth(x, A_log, dt_bias)
@@ -112,7 +95,7 @@ def measure(length, seed=0):
         row[path] = {"o_rel_err": rel(o, true_o), "state_rel_err": rel(prefill_state, true_state),
                      "decode_o_rel_err_first_last_mean": [decode_errors[0], decode_errors[-1],
                                                           statistics.mean(decode_errors)],
-                     "ms": time_ms(lambda: run(path, x, A_log, dt_bias))}
+                     "ms": common.time_ms(lambda: run(path, x, A_log, dt_bias), reps=5)}
         print(f"T={length:6d} {path:24s} o {row[path]['o_rel_err']:.2e}  state {row[path]['state_rel_err']:.2e}  "
               f"decode after it {statistics.mean(decode_errors):.2e}  {row[path]['ms']:.2f} ms", flush=True)
     return row
@@ -121,18 +104,14 @@ def measure(length, seed=0):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[10, 74, 2048, 8192])
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "kda_parity_h200.json"))
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "kda_parity_h200.json"))
     args = parser.parse_args()
-    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
-        kda.quick_tune(1)
+    common.quick_tune_from_env()
     result = {"device": torch.cuda.get_device_name(), "heads": HEADS, "head_dim": DIM, "lower_bound": LOWER_BOUND,
               "decode_steps_after": DECODE_STEPS, "by_length": {}}
     for length in args.lengths:
         result["by_length"][str(length)] = measure(length)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.out)
+        common.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,12 @@
 on this machine: no GPU needed (Triton's front end, ptxas and nvdisasm all run on the host).
 
 The expert kernels at decode wait on instructions (the E2M1 -> bf16 upcast), not on memory, so this count is a
-cheap proxy to compare upcasts and tiles before spending device time; `bench/layer.py` on a GPU is the measurement.
+cheap proxy to compare upcasts and tiles before spending device time; `bench.layer` on a GPU is the measurement.
 Prints, per configuration, the instructions in the kernel's longest loop divided by the weight elements one thread
 handles per iteration, and the most frequent opcodes.
 
-    python bench/kernel_sass.py                  # the decode and prefill defaults, lop3 and dot_scaled
-    python bench/kernel_sass.py --bm 16 --bn 32 --bk 128 --warps 2 --upcast dot_scaled
+    python -m bench.kernel_sass                  # the decode and prefill defaults, lop3 and dot_scaled
+    python -m bench.kernel_sass --bm 16 --bn 32 --bk 128 --warps 2 --upcast dot_scaled
 """
 
 import argparse
@@ -23,8 +23,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import mxfp4_triton  # noqa: E402
+import mxfp4_triton
 
 SM90 = GPUTarget("cuda", 90, 32)
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")

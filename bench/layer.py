@@ -14,200 +14,38 @@ and measures:
 then extrapolates to 93 layers (69 KDA + 24 MLA, layer 0's dense MLP counted as a MoE layer) plus the LM head and
 prints the implied single-stream TPOT beside the model card's (38.8 ms TPOT, 24.7 tok/s, 8x RTX 6000, SGLang).
 
-Usage: python bench/layer.py --out results.json [--quick] [--budget-s 240]. CUDA only. The reference path is the
+Usage: python -m bench.layer --out results.json [--quick] [--budget-s 240]. CUDA only. The reference path is the
 model's own code with its experts, kda and fused fast paths switched off (the layer's `dispatch`): experts are
 dequantized per call, KDA runs the pure-torch chunked / recurrent forms.
 """
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 if "--smoke" in sys.argv:  # the Triton kernels run in the interpreter on CPU (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kda  # noqa: E402
 import mxfp4_triton  # noqa: E402
+from bench import common  # noqa: E402
+from bench.common import (CARD, RouteRecorder, Timer, build_layer, ceilings, decode_cache, expert_bytes,  # noqa: E402
+                          graph_of, layer_flops, nbytes, non_expert_bytes, package_version, sync, time_ms)
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import (KimiK3Cache, KimiK3DecoderLayer, KimiK3DeltaAttention, resolve_fast_paths,  # noqa: E402
-                              use_fast_paths)
+from kimi_k3_dispatch import resolve_fast_paths, use_fast_paths  # noqa: E402
+from modeling_kimi_k3 import KimiK3Cache  # noqa: E402
 
-CARD = {"tpot_ms": 38.8, "tok_s": 24.7, "setup": "8x RTX 6000, SGLang (model card)"}
 KDA_LAYERS, MLA_LAYERS = 69, 24
-CONTEXT = 2048  # cached tokens behind each decode step
-DEVICE = "cuda"  # --smoke switches to "cpu" (tiny shapes, host timers, no graphs): a dry run of this script
-
-
-def sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-class Timer:
-    """CUDA events on the GPU, the host clock on the CPU (smoke runs)."""
-
-    def __enter__(self):
-        if DEVICE == "cuda":
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if DEVICE == "cuda":
-            self.end.record()
-            self.end.synchronize()
-            self.ms = self.start.elapsed_time(self.end)
-        else:
-            self.ms = (time.perf_counter() - self.t0) * 1e3
-
-
-def time_ms(fn, reps, warmup=1, setup=None):
-    """Median milliseconds of `fn()` over `reps` runs (`setup()` runs untimed before each)."""
-    for _ in range(warmup):
-        if setup:
-            setup()
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        if setup:
-            setup()
-        with Timer() as t:
-            fn()
-        times.append(t.ms)
-    return statistics.median(times)
-
-
-def copy_bandwidth(reps):
-    """Device-to-device copy bandwidth in bytes/s, read + write counted (2 GiB each way on a GPU)."""
-    n = 1 << 31 if DEVICE == "cuda" else 1 << 24
-    a = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
-    b = torch.empty_like(a)
-    ms = time_ms(lambda: b.copy_(a), reps, warmup=2)
-    return 2 * n / (ms * 1e-3)
-
-
-def ceilings(quick):
-    copy_bw = copy_bandwidth(5 if quick else 10)
-    m = 8192 if DEVICE == "cuda" else 256
-    x = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
-    y = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
-    ms = time_ms(lambda: x @ y, 5 if quick else 10, warmup=3)
-    peak = 2 * m**3 / (ms * 1e-3)
-    return {"copy_bandwidth_GBps": copy_bw / 1e9, "bf16_matmul_TFLOPs": peak / 1e12}
-
-
-def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def expert_bytes(layer):
-    e = layer.block_sparse_moe.experts[0]
-    return nbytes([p for lin in (e.w1, e.w3, e.w2) for p in (lin.weight_packed, lin.weight_scale)])
-
-
-def non_expert_bytes(module):
-    return nbytes([p for n, p in module.named_parameters() if ".experts." not in f".{n}"])
-
-
-def build_layer(text, index, seed):
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(DEVICE):
-            layer = KimiK3DecoderLayer(text, index, packed_experts=True)
-    finally:
-        torch.set_default_dtype(previous)
-    layer.eval().requires_grad_(False)
-    moe = layer.block_sparse_moe
-    with torch.no_grad():
-        moe.gate.weight.normal_(0.0, 0.02)
-        moe.gate.e_score_correction_bias.zero_()
-        for proj in (layer.self_attention_res_proj, layer.mlp_res_proj):
-            proj.weight.normal_(0.0, 0.02)
-        stack = moe.stack_experts()  # the per-expert packs become views of these stacks
-        for packed in (stack.w1, stack.w3, stack.w2):
-            packed.random_(0, 256)
-        for scale in (stack.s1, stack.s3, stack.s2):
-            scale.random_(114, 124)
-    return layer
-
-
-class RouteRecorder:
-    """Records the expert ids the router picks (forward hook on the gate)."""
-
-    def __init__(self, gate):
-        self.ids = None
-        self.handle = gate.register_forward_hook(self)
-
-    def __call__(self, module, args, output):
-        self.ids = output[0].detach()
-
-    def unique(self):
-        return int(self.ids.unique().numel())
-
-
-def decode_cache(text, layer, batch, seed):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    cache = KimiK3Cache(text)
-    i = layer.layer_idx
-    attn = layer.self_attn
-    if isinstance(attn, KimiK3DeltaAttention):
-        width = attn.num_heads * attn.head_dim
-        conv = tuple(torch.randn(batch, width, 3, device=DEVICE, generator=gen, dtype=torch.bfloat16)
-                     for _ in range(3))
-        state = torch.randn(batch, attn.num_heads, attn.head_dim, attn.head_dim, device=DEVICE, generator=gen) * 0.02
-        base = {"conv": conv, "state": state}
-
-        def reset():
-            cache.layers[i].update(base["conv"], base["state"])
-
-        state_bytes = 2 * nbytes([state]) + 2 * nbytes(conv)
-    else:
-        latent = torch.randn(batch, CONTEXT, attn.kv_lora_rank + attn.rope_dim, device=DEVICE, generator=gen,
-                             dtype=torch.bfloat16)
-
-        def reset():
-            cache.layers[i].latent = latent
-            cache.seen_tokens = CONTEXT
-
-        state_bytes = nbytes([latent]) + nbytes([latent[:, :1]])
-    reset()
-    return cache, reset, state_bytes
+CONTEXT = 2048  # cached tokens behind each decode step (--smoke: 16)
 
 
 def set_fast(layer, on):
     """The layer's expert, KDA and fused-op fast paths at their defaults (on) or off (its reference code)."""
     layer.dispatch.set(**dict.fromkeys(("experts", "kda", "fused"), "auto" if on else "off"))
-
-
-def graph_of(fn, reset):
-    """CUDA graph of `fn()` (after two warm-up runs on a side stream); returns (graph, captured output)."""
-    if DEVICE != "cuda":
-        raise RuntimeError("CUDA graphs need a CUDA device")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            reset()
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    reset()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def one_stream(layer, capture, reps, side_out):
@@ -220,15 +58,17 @@ def one_stream(layer, capture, reps, side_out):
         return time_ms(graph.replay, reps), bool(torch.equal(out, side_out))
 
 
-def bench_decode(text, layer, batch, ceil, reps, seed):
-    hidden = text.hidden_size
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    bank = tuple(torch.randn(batch, 1, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16) for _ in range(4))
-    partial = torch.randn(batch, 1, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16)
-    cache, reset, state_bytes = decode_cache(text, layer, batch, seed)
+def bench_decode(text, layer, batch, ceil, reps, seed, context=CONTEXT):
+    """One decode step of `layer` at `batch` (`context` cached MLA latents): reference eager, fast eager, fast graph
+    (side streams on and off), and its MoE block alone, each beside its bytes floor."""
+    hidden, device = text.hidden_size, common.DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bank = tuple(torch.randn(batch, 1, hidden, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    partial = torch.randn(batch, 1, hidden, device=device, generator=gen, dtype=torch.bfloat16)
+    cache, reset, state_bytes = decode_cache(text, layer, batch, seed, context)
     recorder = RouteRecorder(layer.block_sparse_moe.gate)
     moe = layer.block_sparse_moe
-    moe_in = torch.randn(batch, 1, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    moe_in = torch.randn(batch, 1, hidden, device=device, generator=gen, dtype=torch.bfloat16)
     res = {"batch": batch}
     try:
         with torch.no_grad():
@@ -272,8 +112,8 @@ def bench_decode(text, layer, batch, ceil, reps, seed):
                 graph, out = graph_of(moe_step, lambda: None)
                 res["moe"]["fast_graph_ms"] = time_ms(graph.replay, reps)
                 del graph
-                res["moe"]["fast_graph_one_stream_ms"], same = one_stream(layer, lambda: graph_of(moe_step, lambda: None),
-                                                                          reps, out)
+                capture = lambda: graph_of(moe_step, lambda: None)  # noqa: E731
+                res["moe"]["fast_graph_one_stream_ms"], same = one_stream(layer, capture, reps, out)
                 res["moe"]["one_stream_output_identical"] = same
             except Exception as err:
                 res["moe"]["graph_error"] = repr(err)[:500]
@@ -288,30 +128,11 @@ def bench_decode(text, layer, batch, ceil, reps, seed):
     return res
 
 
-def layer_flops(layer, tokens):
-    """Matmul FLOPs of a prefill of `tokens` tokens (batch 1), routed experts at top-k, plus the attention core."""
-    text_linear = 0
-    for name, module in layer.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".experts." not in f".{name}.":
-            text_linear += module.in_features * module.out_features
-    flops = 2 * tokens * text_linear
-    moe = getattr(layer, "block_sparse_moe", None)  # None: the dense layer 0
-    if moe is not None:
-        e = moe.experts[0]
-        flops += 6 * tokens * moe.gate.top_k * e.w1.in_features * e.w1.out_features
-    attn = layer.self_attn
-    if isinstance(attn, KimiK3DeltaAttention):
-        flops += 2 * tokens * attn.num_heads * (4 * attn.head_dim**2 + 2 * 64 * attn.head_dim)
-    else:
-        flops += 2 * (tokens * tokens / 2) * attn.num_heads * (attn.nope_dim + attn.rope_dim + attn.v_dim)
-    return flops
-
-
 def bench_prefill(text, layer, tokens, ceil, reps, seed, with_reference=True):
-    hidden = text.hidden_size
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    bank = tuple(torch.randn(1, tokens, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16) for _ in range(4))
-    partial = torch.randn(1, tokens, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    hidden, device = text.hidden_size, common.DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bank = tuple(torch.randn(1, tokens, hidden, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    partial = torch.randn(1, tokens, hidden, device=device, generator=gen, dtype=torch.bfloat16)
     res = {"tokens": tokens}
     flops = layer_flops(layer, tokens)
     floor_bytes = non_expert_bytes(layer) + layer.block_sparse_moe.num_experts * expert_bytes(layer)
@@ -340,15 +161,21 @@ def bench_prefill(text, layer, tokens, ceil, reps, seed, with_reference=True):
     return res
 
 
-def bench_expert_gemms(text, layer, tokens, ceil, reps, seed, configs=None):
-    """The two MXFP4 kernels alone at `tokens` tokens with the layer's routing; TFLOP/s vs the bf16 rate."""
-    moe = layer.block_sparse_moe
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(tokens, text.hidden_size, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+def routed_inputs(text, moe, tokens, seed):
+    """The routed experts' inputs for `tokens` random hidden states through the block's router and latent
+    projection: (expert stacks, latents z, expert ids, weights)."""
+    gen = torch.Generator(device=common.DEVICE).manual_seed(seed)
+    x = torch.randn(tokens, text.hidden_size, device=common.DEVICE, generator=gen, dtype=torch.bfloat16)
     with torch.no_grad():
         ids, weights = moe.gate(x)
         z = moe.routed_expert_down_proj(x)
-    stack = moe.stack_experts()
+    return moe.stack_experts(), z, ids, weights
+
+
+def bench_expert_gemms(text, layer, tokens, ceil, reps, seed, configs=None):
+    """The two MXFP4 kernels alone at `tokens` tokens with the layer's routing; TFLOP/s vs the bf16 rate."""
+    moe = layer.block_sparse_moe
+    stack, z, ids, weights = routed_inputs(text, moe, tokens, seed)
     e = moe.experts[0]
     flops = 6 * ids.numel() * e.w1.in_features * e.w1.out_features
     out = {"tokens": tokens, "pairs": ids.numel(), "flops": flops}
@@ -375,12 +202,7 @@ def bench_expert_gemms(text, layer, tokens, ceil, reps, seed, configs=None):
 def sweep_decode(text, layer, batch, ceil, reps, seed, configs):
     """MXFP4 kernels alone at decode (batch tokens, top-16) per configuration, against their bytes floor."""
     moe = layer.block_sparse_moe
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(batch, text.hidden_size, device=DEVICE, generator=gen, dtype=torch.bfloat16)
-    with torch.no_grad():
-        ids, weights = moe.gate(x)
-        z = moe.routed_expert_down_proj(x)
-    stack = moe.stack_experts()
+    stack, z, ids, weights = routed_inputs(text, moe, batch, seed)
     unique = int(ids.unique().numel())
     floor_ms = unique * expert_bytes(layer) / (ceil["copy_bandwidth_GBps"] * 1e9) * 1e3
     out = {"batch": batch, "unique_experts": unique, "floor_ms": floor_ms}
@@ -391,15 +213,15 @@ def sweep_decode(text, layer, batch, ceil, reps, seed, configs):
                                                    config=cfg)
             got = run()
             rel_err = float((got - ref).norm() / ref.norm())
-            if DEVICE == "cuda":
+            if common.DEVICE == "cuda":
                 graph, _ = graph_of(run, lambda: None)
                 ms = time_ms(graph.replay, reps)
                 del graph
             else:
                 ms = time_ms(run, reps)
             out[name] = {"graph_ms": ms, "x_floor": ms / floor_ms, "rel_err": rel_err}
-            if DEVICE == "cuda" and batch == 1:  # the same launch with all 16 pairs on one expert, whose 16.5 MB
-                # stay in L2: how long the kernels take when DRAM bandwidth is not what they wait for
+            if common.DEVICE == "cuda" and batch == 1:  # the same launch with all 16 pairs on one expert, whose
+                # 16.5 MB stay in L2: how long the kernels take when DRAM bandwidth is not what they wait for
                 same = torch.zeros_like(ids)
                 graph, _ = graph_of(lambda: mxfp4_triton.run_experts(stack, z, same, weights, moe.num_experts, 4.0,
                                                                      25.0, config=cfg), lambda: None)
@@ -451,13 +273,14 @@ def choose(sweep, key, tolerance=2e-2):
 
 def bench_kda_core(tokens, reps, seed):
     """fla chunk_kda at the release's head shape, safe_gate on and off, against the fp32 torch reference."""
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    device = common.DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
     heads, dim = 96, 128
-    q, k, v, g_raw = (torch.randn(1, tokens, heads, dim, device=DEVICE, generator=gen).to(torch.bfloat16)
+    q, k, v, g_raw = (torch.randn(1, tokens, heads, dim, device=device, generator=gen).to(torch.bfloat16)
                       for _ in range(4))
-    beta_raw = torch.randn(1, tokens, heads, device=DEVICE, generator=gen).to(torch.bfloat16)
-    A_log = torch.randn(heads, device=DEVICE, generator=gen) * 0.5
-    dt_bias = torch.randn(heads * dim, device=DEVICE, generator=gen)
+    beta_raw = torch.randn(1, tokens, heads, device=device, generator=gen).to(torch.bfloat16)
+    A_log = torch.randn(heads, device=device, generator=gen) * 0.5
+    dt_bias = torch.randn(heads * dim, device=device, generator=gen)
     out = {"tokens": tokens}
     with torch.no_grad():
         g = kda.kda_gate(g_raw, A_log, dt_bias, -5.0)
@@ -476,15 +299,15 @@ def bench_kda_core(tokens, reps, seed):
 
 
 def lm_head_ms(text, reps, batch):
-    w = torch.randn(text.vocab_size, text.hidden_size, device=DEVICE, dtype=torch.bfloat16) * 0.02
-    x = torch.randn(batch, text.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(text.vocab_size, text.hidden_size, device=common.DEVICE, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(batch, text.hidden_size, device=common.DEVICE, dtype=torch.bfloat16)
     ms = time_ms(lambda: torch.nn.functional.linear(x, w), reps, warmup=3)
     return ms, nbytes([w])
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "layer_h200.json"))
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "layer_h200.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="skip sections once past this")
     parser.add_argument("--sections", default="sweep,psweep,kda,decode,prefill",
@@ -497,11 +320,11 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help="dry run on CPU at tiny shapes (reference path; kernels in the Triton interpreter)")
     args = parser.parse_args(argv)
-    global DEVICE, CONTEXT
+    context = CONTEXT
     if args.smoke:
-        DEVICE, CONTEXT = "cpu", 16
+        common.DEVICE, context = "cpu", 16
     elif not torch.cuda.is_available():
-        print("bench/layer.py needs a CUDA device (or --smoke)", file=sys.stderr)
+        print("bench.layer needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
     started = time.time()
     sections = set(args.sections.split(","))
@@ -511,28 +334,25 @@ def main(argv=None):
             for name in set(variants) - keep:
                 del variants[name]
     reps = 3 if args.smoke else 10 if args.quick else 30
-    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
-        kda.quick_tune(1)
+    quick_tune = common.quick_tune_from_env()
     import triton
 
     results = {
-        "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke run)",
+        "device": torch.cuda.get_device_name(0) if common.DEVICE == "cuda" else "cpu (smoke run)",
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                     "fla": _version("fla-core"), "transformers": _version("transformers")},
-        "fast_paths": {"resolved": str(resolve_fast_paths({}, DEVICE)),
+                     "fla": package_version("fla-core"), "transformers": package_version("transformers")},
+        "fast_paths": {"resolved": str(resolve_fast_paths({}, common.DEVICE)),
                        "mxfp4_configs": mxfp4_triton.CONFIGS, "upcast": mxfp4_triton.UPCAST,
                        "atomic_combine": mxfp4_triton.ATOMIC_COMBINE,
-                       "fla_quick_tune": os.environ.get("KIMI_K3_QUICK_TUNE") == "1"},
-        "context_tokens_for_decode": CONTEXT,
+                       "fla_quick_tune": quick_tune},
+        "context_tokens_for_decode": context,
         "card": CARD,
         "layers": {},
     }
 
     def save():
         results["elapsed_s"] = time.time() - started
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        common.write_json(args.out, results)
 
     def over_budget():
         return time.time() - started > args.budget_s
@@ -549,7 +369,7 @@ def main(argv=None):
                            num_experts_per_token=4).text_config
         layer_indices, prefill_lengths = (("kda", 1), ("mla", 2)), (16, 40)
     else:
-        text = KimiK3Config.from_pretrained(ROOT).text_config
+        text = KimiK3Config.from_pretrained(common.ROOT).text_config
         layer_indices, prefill_lengths = (("kda", 1), ("mla", 3)), (2048, 8192)
     for kind, index in layer_indices:
         if over_budget():
@@ -600,7 +420,7 @@ def main(argv=None):
                 for batch in (1, 8):
                     if over_budget():
                         break
-                    r = bench_decode(text, layer, batch, ceil, reps, seed=batch)
+                    r = bench_decode(text, layer, batch, ceil, reps, seed=batch, context=context)
                     entry[f"decode_b{batch}"] = r
                     print(f"[{kind}] decode b{batch}: fast {r.get('fast_graph_ms', float('nan')):.3f} ms graph / "
                           f"{r['fast_eager_ms']:.3f} eager, floor {r['floor_ms']:.3f}, "
@@ -641,15 +461,6 @@ def main(argv=None):
     save()
     print_summary(results)
     return 0
-
-
-def _version(dist):
-    try:
-        from importlib.metadata import version
-
-        return version(dist)
-    except Exception:
-        return None
 
 
 def extrapolate(results):

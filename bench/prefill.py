@@ -1,4 +1,4 @@
-"""Prefill and long-context decode on one H200, from one real-width layer of each kind (as `bench/layer.py`).
+"""Prefill and long-context decode on one H200, from one real-width layer of each kind (as `bench.layer`).
 
   * layer prefill: a KDA + MoE, an MLA + MoE and the dense layer 0, random weights at the release's shapes, default
     fast paths, a prompt of 2048 / 8192 / 32768 tokens fed as the model feeds it (chunks of
@@ -11,31 +11,25 @@
     for the longest context, one graph replayed at each (`mla_steps_by_context`; what `generate` with
     `make_static_cache` runs), and beside it on a `KimiK3Cache` of each context at a step that regrows its buffer
     (the cache set to that context before each step: the costliest step, one in ~T/4 as the cache grows;
-    `bench/cache_growth.py` times the appends in between).
+    `bench.cache_growth` times the appends in between).
 
-    python bench/prefill.py --out bench/results/prefill_h200.json [--quick] [--baseline]
+    python -m bench.prefill --out bench/results/prefill_h200.json [--quick] [--baseline]
 """
 
 import argparse
-import json
 import os
-import statistics
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mxfp4_triton
+from bench import common
+from bench.common import (CARD, build_layer, ceilings, expert_bytes, graph_of, layer_flops, non_expert_bytes,
+                          time_ms)
+from bench.layer import bench_decode, lm_head_ms
+from configuration_kimi_k3 import KimiK3Config
+from modeling_kimi_k3 import BlockBank, KimiK3Cache, KimiK3StaticCache, KimiK3TextModel
 
-import kda  # noqa: E402
-import mxfp4_triton  # noqa: E402
-import layer as bench_layer  # noqa: E402  (bench/layer.py: layer builder, decode benchmark, floors, timers)
-from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import BlockBank, KimiK3Cache, KimiK3StaticCache, KimiK3TextModel  # noqa: E402
-
-CARD = {"prefill_tok_s": 1880, "tpot_ms_32k": 38.8, "tok_s_131k": 15.7, "setup": "8x RTX 6000, SGLang (model card)"}
 KDA_MOE_LAYERS, MLA_MOE_LAYERS = 68, 24  # and the dense layer 0 (KDA)
 PREFILL_LENGTHS, LONG_PROMPT, CONTEXTS = (2048, 8192, 32768), 131072, (2048, 32768, 131072)
 
@@ -53,7 +47,7 @@ def prefill_ms(text, layer, tokens, reps, seed):
         for start in range(0, tokens, chunk):
             part = BlockBank(b[:, start:start + chunk] for b in bank)
             layer(part, partial[:, start:start + chunk], None, cache)
-            cache.seen_tokens += min(chunk, tokens - start)
+            cache.advance(min(chunk, tokens - start))
 
     with torch.no_grad():
         torch.cuda.synchronize()
@@ -62,27 +56,20 @@ def prefill_ms(text, layer, tokens, reps, seed):
         run()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times), peak
+        ms = time_ms(run, reps, warmup=0)
+    return ms, peak
 
 
 def floor_ms(layer, tokens, ceil):
-    flops = bench_layer.layer_flops(layer, tokens)
+    flops = layer_flops(layer, tokens)
     moe = getattr(layer, "block_sparse_moe", None)
-    weights = bench_layer.non_expert_bytes(layer) + (moe.num_experts * bench_layer.expert_bytes(layer) if moe else 0)
+    weights = non_expert_bytes(layer) + (moe.num_experts * expert_bytes(layer) if moe else 0)
     return max(flops / (ceil["bf16_matmul_TFLOPs"] * 1e12), weights / (ceil["copy_bandwidth_GBps"] * 1e9)) * 1e3
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "prefill_h200.json"))
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "prefill_h200.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--baseline", action="store_true",
                         help="some paths before issue 20's changes, for a side-by-side run: prompts through fla's "
@@ -92,26 +79,22 @@ def main():
     if args.baseline:
         os.environ["KIMI_K3_FAST_PATHS"] = "kda_prefill=off"
         mxfp4_triton.UPCAST_ONCE_MIN_PAIRS_PER_EXPERT = float("inf")
-    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
-        kda.quick_tune(1)
+    common.quick_tune_from_env()
     started = time.time()
     reps = 2 if args.quick else 5
-    text = KimiK3Config.from_pretrained(ROOT).text_config
-    ceil = bench_layer.ceilings(args.quick)
+    text = KimiK3Config.from_pretrained(common.ROOT).text_config
+    ceil = ceilings(args.quick)
     result = {"device": torch.cuda.get_device_name(), "baseline": args.baseline, "ceilings": ceil, "card": CARD,
               "prefill_chunk_size": KimiK3TextModel.prefill_chunk_size, "layer_prefill_tok_s": {},
               "layer_prefill_fraction_of_floor": {}, "floor": {"layer_prefill_ms": {}}, "long_prompt": {}}
 
     def save():
         result["elapsed_s"] = time.time() - started
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.out)
+        common.write_json(args.out, result)
 
     layers, layer_ms = {"kda": 1, "mla": 3, "dense0": 0}, {}
     for kind, index in layers.items():
-        layer = bench_layer.build_layer(text, index, seed=index) if kind != "dense0" else build_dense(text)
+        layer = build_layer(text, index, seed=index)
         layer_ms[kind] = {}
         for tokens in PREFILL_LENGTHS + ((LONG_PROMPT,) if kind != "dense0" else ()):
             try:
@@ -149,15 +132,14 @@ def main():
     print("model prefill tok/s:", {t: round(v) for t, v in result["model_prefill_tok_s"].items()}, flush=True)
     save()
 
-    head_ms, _ = bench_layer.lm_head_ms(text, 20, 1)
-    bench_layer.DEVICE = "cuda"
-    kda_step = bench_layer.bench_decode(text, kda_layer, 1, ceil, 20, seed=1)
+    head_ms, _ = lm_head_ms(text, 20, 1)
+    kda_step = bench_decode(text, kda_layer, 1, ceil, 20, seed=1)
     static = mla_steps_by_context(text, mla_layer, CONTEXTS, 20, seed=3)
     result["tpot_ms_by_context"], result["floor"]["tpot_ms_by_context"], result["mla_decode_ms_by_context"] = {}, {}, {}
     result["tpot_ms_by_context_dynamic_cache"], result["mla_decode_ms_by_context_dynamic_cache"] = {}, {}
     for context in CONTEXTS:
-        bench_layer.CONTEXT = context  # the latents cached behind the MLA layer's decode step
-        mla_step = bench_layer.bench_decode(text, mla_layer, 1, ceil, 20, seed=3)  # a KimiK3Cache, regrown each step
+        # `context` latents cached behind the MLA layer's decode step, on a KimiK3Cache regrown each step
+        mla_step = bench_decode(text, mla_layer, 1, ceil, 20, seed=3, context=context)
         per_layer = {"": static[context], "_dynamic_cache": mla_step["fast_graph_ms"]}
         for suffix, mla_ms in per_layer.items():
             result["mla_decode_ms_by_context" + suffix][str(context)] = mla_ms
@@ -200,25 +182,12 @@ def mla_steps_by_context(text, layer, contexts, reps, seed):
 
     mask = at(contexts[0])
     with torch.no_grad():
-        graph, _ = bench_layer.graph_of(lambda: layer(bank, partial, mask, cache, positions)[1], lambda: None)
+        graph, _ = graph_of(lambda: layer(bank, partial, mask, cache, positions)[1], lambda: None)
         steps = {}
         for context in contexts:
             at(context)
-            steps[context] = bench_layer.time_ms(graph.replay, reps)
+            steps[context] = time_ms(graph.replay, reps)
     return steps
-
-
-def build_dense(text):
-    """The dense layer 0 (KDA + MLP) at the release's shapes, random bf16 weights."""
-    from modeling_kimi_k3 import KimiK3DecoderLayer
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        layer = KimiK3DecoderLayer(text, 0, packed_experts=True).to(torch.bfloat16)
-    with torch.no_grad():
-        for proj in (layer.self_attention_res_proj, layer.mlp_res_proj):
-            proj.weight.normal_(0.0, 0.02)
-    return layer.eval().requires_grad_(False)
 
 
 if __name__ == "__main__":

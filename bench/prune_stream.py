@@ -1,6 +1,6 @@
 """Benchmark the streaming prune against a plain copy of the same shards.
 
-    python bench/prune_stream.py [--size-gb 2.5] [--keep-frac 0.36] [--dir /tmp] [--repeat 2]
+    python -m bench.prune_stream [--size-gb 2.5] [--keep-frac 0.36] [--dir /tmp] [--repeat 2]
 
 Builds a synthetic MXFP4 checkpoint of about --size-gb (random bytes, release tensor names,
 --experts per layer, as many MoE layers as the size needs) in a temporary dir, then times
@@ -13,7 +13,7 @@ The prune output is then checked with `verify --source`.
 
 Metadata at full scale (92-ish layers x 896 experts, ~450k tiny tensors; per-tensor overhead and
 header memory rather than bandwidth):
-    python bench/prune_stream.py --experts 896 --hidden 64 --latent 32 --inter 32 --vocab 64 \
+    python -m bench.prune_stream --experts 896 --hidden 64 --latent 32 --inter 32 --vocab 64 \
         --size-gb 0.135 --keep-frac 0.3572 --shard-bytes 3000000 --repeat 1
 """
 
@@ -31,13 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from reap_tools.checkpoint import INDEX_NAME, encode_header, human
+from reap_tools.verify import verify_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tqdm import tqdm  # noqa: E402
-
-from reap_tools.checkpoint import INDEX_NAME, encode_header, human  # noqa: E402
-from reap_tools.verify import verify_checkpoint  # noqa: E402
 
 P = "language_model.model.layers."
 NOISE = os.urandom(64 << 20)

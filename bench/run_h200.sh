@@ -20,12 +20,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     grep -E "greedy|fla kda in model|static-cache|passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -20
 fi
 budget=${BENCH_BUDGET:-150}
-timeout $((budget + 60)) python3 bench/layer.py --budget-s "$budget" --out "$OUT/layer_h200.json" ${BENCH_ARGS:-} \
+timeout $((budget + 60)) python3 -m bench.layer --budget-s "$budget" --out "$OUT/layer_h200.json" ${BENCH_ARGS:-} \
     > "$OUT/layer_h200.log" 2>&1
 echo "layer bench exit $?"
 sed -n '/=== one layer/,$p' "$OUT/layer_h200.log" | grep -v "^   gemv\|^   dot_scaled"
 grep -E "Error|error|Traceback" "$OUT/layer_h200.log" | head -5
-timeout "${DECODE_TIMEOUT:-200}" python3 bench/decode.py --ab --profile --steps 12 --generate ${GENERATE:-128} ${DECODE_ARGS:-} \
+timeout "${DECODE_TIMEOUT:-200}" python3 -m bench.decode --ab --profile --steps 12 --generate ${GENERATE:-128} ${DECODE_ARGS:-} \
     --out "$OUT/decode_h200.json" > "$OUT/decode_h200.log" 2>&1
 echo "decode bench exit $?"
 grep -E "^b[18] |kernels,|layers|built|Error|tok/s" "$OUT/decode_h200.log"

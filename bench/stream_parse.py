@@ -1,6 +1,6 @@
 """Streaming parse cost vs one parse: a 1 MB tools section fed to StreamParser in 64-byte chunks.
 
-    python bench/stream_parse.py          # CPU, a few seconds; writes bench/results/stream_parse.txt
+    python -m bench.stream_parse          # CPU, a few seconds; writes bench/results/stream_parse.txt
 
 The section holds calls a coding agent makes (file writes with code full of `<`, `[` and quotes,
 shell commands, numbers, arrays). Both timings run in this process, best of five; the ratio is
@@ -15,15 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kimi_k3_parsing import StreamParser, parse  # noqa: E402
+from kimi_k3_parsing import StreamParser, parse
 
 SECTION_BYTES = 1 << 20
 CHUNK = 64
 REPEATS = 5
-OUT = ROOT / "bench" / "results" / "stream_parse.txt"
+OUT = Path(__file__).resolve().parent / "results" / "stream_parse.txt"
 
 
 def argument(key: str, kind: str, value: str) -> str:

@@ -3,12 +3,12 @@
 There is no 8-GPU machine, so this times what rank 0 of an 8-way tensor + expert parallel job runs, on one device,
 and adds the cost of its collectives from a stated model (not measured):
 
-  * real-width modules from the root config.json with random weights (bench/layer.py's `build_layer`: MXFP4 packs of
+  * real-width modules from the root config.json with random weights (`bench.common.build_layer`: MXFP4 packs of
     random bytes): a KDA + MoE layer, an MLA + MoE layer, layer 0 (KDA + dense MLP), and the head stage (embedding
     lookup, the output depth mix + final norm, the LM head). Each is timed whole first (the single-GPU reference of
     the same run), then sharded in place by `tensor_parallel.shard(module, TensorParallel(rank=0, size=8))` (12 of
     96 heads, 40 of 320 experts, 1/8 of the dense and shared MLPs and of the vocabulary) and timed again;
-  * decode steps at batch 1 and 8 as bench/layer.py times them (4 block-bank rows, KDA state or a 2048-token MLA
+  * decode steps at batch 1 and 8 as `bench.layer` times them (4 block-bank rows, KDA state or a 2048-token MLA
     latent cache), replayed from CUDA graphs on CUDA, eager on the CPU (there only a dry run of the code path);
   * `tensor_parallel.all_reduce` is replaced by an identity that records each call (`AllReduceStandIn`; chosen over
     a process group of size 1, which would put a do-nothing NCCL call in the graph and still not time a real one):
@@ -25,8 +25,8 @@ then sums the model from config.json's layer kinds (1 dense + 68 KDA + 24 MLA + 
 modelled all-reduces, next to the single-GPU extrapolation in bench/results/layer_h200.json, the same run's
 full-width layers and the model card's SGLang TP8 figure (README.md).
 
-    KIMI_K3_QUICK_TUNE=1 python3 bench/tp_sim.py --out bench/results/tp_sim_h200.json
-    python bench/tp_sim.py --device cpu --quick --out /tmp/tp_sim_cpu.json   # tiny widths, reference paths
+    KIMI_K3_QUICK_TUNE=1 python3 -m bench.tp_sim --out bench/results/tp_sim_h200.json
+    python -m bench.tp_sim --device cpu --quick --out /tmp/tp_sim_cpu.json   # tiny widths, reference paths
 """
 
 import argparse
@@ -39,22 +39,20 @@ import traceback
 import torch
 from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import kda  # noqa: E402
-import layer as bench_layer  # noqa: E402  (bench/layer.py: layer builder, decode caches, graph capture, timers)
-import tensor_parallel  # noqa: E402
-from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from decode import truncated  # noqa: E402  (bench/decode.py)
-from modeling_kimi_k3 import (KimiK3DecoderLayer, KimiK3LanguageModel, KimiK3LatentMoE,  # noqa: E402
-                              resolve_fast_paths, triton_routed_experts)
-from tensor_parallel import TensorParallel, check_tp_size, shard  # noqa: E402
+import tensor_parallel
+from bench import common
+from bench.common import (CARD, RouteRecorder, build_layer, copy_bandwidth, decode_cache, expert_bytes, graph_of,
+                          nbytes, non_expert_bytes, package_version, sync, time_ms, truncated)
+from configuration_kimi_k3 import KimiK3Config
+from kimi_k3_dispatch import resolve_fast_paths
+from modeling_kimi_k3 import KimiK3LanguageModel, KimiK3LatentMoE
+from tensor_parallel import TensorParallel, check_tp_size, shard
 
 TP = 8
 BATCHES = (1, 8)
 GOAL_TPOT_MS_B1 = 15.0  # issue #19: predicted TP8 TPOT at batch 1 on 8 x H200
-BANK_ROWS = 4  # block-bank rows before a decoder layer, as bench/layer.py times it (a mid-depth layer)
+BANK_ROWS = 4  # block-bank rows before a decoder layer, as bench.layer times it (a mid-depth layer)
+MLA_CONTEXT = 2048  # cached latents behind an MLA layer's decode step, as bench.layer times it (--quick: 16)
 SINGLE_GPU_RESULTS = os.path.join("bench", "results", "layer_h200.json")
 
 # Public figures, none measured here. Each all-reduce of `bytes` costs latency + 2(N-1)/N * bytes / bus_bandwidth
@@ -149,13 +147,9 @@ class AllReduceStandIn:
 STAND_IN = AllReduceStandIn()
 
 
-def device():
-    return bench_layer.DEVICE
-
-
 def load_config(tiny):
     """The release config (root config.json), or the same with tiny widths."""
-    config = KimiK3Config.from_pretrained(ROOT)
+    config = KimiK3Config.from_pretrained(common.ROOT)
     if not tiny:
         return config
     d = config.to_dict()
@@ -170,26 +164,6 @@ def layer_kinds(text):
             for i in range(text.num_hidden_layers)]
 
 
-def build(text, index, seed):
-    """Decoder layer `index` at the config's widths on the device, random weights (bench/layer.py's builder; the
-    dense layer, which it does not take, the same way without the MoE parts)."""
-    if text.experts_in_layer(index):
-        return bench_layer.build_layer(text, index, seed)
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device()):
-            layer = KimiK3DecoderLayer(text, index, packed_experts=True)
-    finally:
-        torch.set_default_dtype(previous)
-    layer.eval().requires_grad_(False)
-    with torch.no_grad():
-        for proj in (layer.self_attention_res_proj, layer.mlp_res_proj):
-            proj.weight.normal_(0.0, 0.02)
-    return layer
-
-
 def build_head(config, seed):
     """The release's `language_model` without decoder layers: embedding, output mix + norm, LM head; random weights."""
     torch.manual_seed(seed)
@@ -201,7 +175,7 @@ def build_head(config, seed):
     finally:
         torch.set_default_dtype(previous)
     language.model.layers = nn.ModuleList()
-    language.to_empty(device=device())
+    language.to_empty(device=common.DEVICE)
     language.eval().requires_grad_(False)
     with torch.no_grad():
         for name, p in language.named_parameters():
@@ -220,16 +194,16 @@ def shard_rank0(module):
 
 def time_step(fn, reset, reps):
     """Median ms of `fn()`: replays of its CUDA graph on CUDA, eager calls (each after `reset()`) elsewhere."""
-    if device() == "cuda":
-        graph, _ = bench_layer.graph_of(fn, reset)
+    if common.DEVICE == "cuda":
+        graph, _ = graph_of(fn, reset)
         graph.replay()
-        bench_layer.sync()
-        ms = bench_layer.time_ms(graph.replay, reps)
+        sync()
+        ms = time_ms(graph.replay, reps)
         del graph
         return {"ms": ms, "mode": "cuda_graph"}
     reset()
     fn()
-    return {"ms": bench_layer.time_ms(fn, reps, setup=reset), "mode": "eager"}
+    return {"ms": time_ms(fn, reps, setup=reset), "mode": "eager"}
 
 
 def hits_per_rank(ids, experts_per_rank, ranks):
@@ -241,8 +215,8 @@ def router_hit_stats(gate, hidden, batch, trials, seed):
     """Experts hit per rank over `trials` random batches of `batch` tokens through `gate` (see HIT_METHOD)."""
     experts, k = gate.weight.shape[0], gate.top_k
     per_rank = experts // TP
-    gen = torch.Generator(device=device()).manual_seed(seed)
-    x = torch.randn(trials * batch, hidden, device=device(), generator=gen, dtype=gate.weight.dtype)
+    gen = torch.Generator(device=common.DEVICE).manual_seed(seed)
+    x = torch.randn(trials * batch, hidden, device=common.DEVICE, generator=gen, dtype=gate.weight.dtype)
     ids = gate(x)[0].view(trials, batch * k)
     distinct = torch.zeros(trials, experts, device=ids.device).scatter_(1, ids, 1.0)
     per = distinct.view(trials, TP, per_rank).sum(-1)  # [trials, ranks]
@@ -269,19 +243,20 @@ def swap_router_blocks(gate, a, b, per_rank):
             p[rows_b] = saved
 
 
-def decode_step(text, layer, batch, seed):
-    """A decode step of `layer` at `batch` (inputs and cache from `seed`): (step, reset, state bytes)."""
-    cache, reset, state_bytes = bench_layer.decode_cache(text, layer, batch, seed)
-    gen = torch.Generator(device=device()).manual_seed(seed)
-    bank = tuple(torch.randn(batch, 1, text.hidden_size, device=device(), generator=gen, dtype=torch.bfloat16)
+def decode_step(text, layer, batch, seed, context):
+    """A decode step of `layer` at `batch` (inputs and cache from `seed`, `context` cached MLA latents): (step,
+    reset, state bytes)."""
+    cache, reset, state_bytes = decode_cache(text, layer, batch, seed, context)
+    gen = torch.Generator(device=common.DEVICE).manual_seed(seed)
+    bank = tuple(torch.randn(batch, 1, text.hidden_size, device=common.DEVICE, generator=gen, dtype=torch.bfloat16)
                  for _ in range(BANK_ROWS))
-    partial = torch.randn(batch, 1, text.hidden_size, device=device(), generator=gen, dtype=torch.bfloat16)
+    partial = torch.randn(batch, 1, text.hidden_size, device=common.DEVICE, generator=gen, dtype=torch.bfloat16)
     return (lambda: layer(bank, partial, None, cache)[1]), reset, state_bytes
 
 
 def routing_of(layer, step, reset):
     """Global expert ids the layer's router picks in one eager `step()`."""
-    recorder = bench_layer.RouteRecorder(layer.block_sparse_moe.gate)
+    recorder = RouteRecorder(layer.block_sparse_moe.gate)
     try:
         reset()
         step()
@@ -290,14 +265,14 @@ def routing_of(layer, step, reset):
         recorder.handle.remove()
 
 
-def make_rank0_busiest(text, layer, batch, target, seeds):
+def make_rank0_busiest(text, layer, batch, target, seeds, context):
     """Of the inputs from `seeds`, the one whose busiest rank hits closest to `target` experts; the router rows of
     that rank's experts are swapped with rank 0's so that rank 0 is the busiest on it. Returns (seed, hits a rank)."""
     moe = layer.block_sparse_moe
     per_rank = moe.num_experts
     best = None
     for seed in seeds:
-        step, reset, _ = decode_step(text, layer, batch, seed)
+        step, reset, _ = decode_step(text, layer, batch, seed, context)
         hits = hits_per_rank(routing_of(layer, step, reset), per_rank, TP)
         if best is None or abs(max(hits) - target) < abs(max(best[1]) - target):
             best = (seed, hits)
@@ -308,17 +283,17 @@ def make_rank0_busiest(text, layer, batch, target, seeds):
     return seed, hits
 
 
-def measure_layer(text, layer, batch, seed, reps, copy_bw):
+def measure_layer(text, layer, batch, seed, reps, copy_bw, context):
     """One decode step of `layer`: its all-reduces (one eager step), experts hit, bytes and floor, median ms."""
-    step, reset, state_bytes = decode_step(text, layer, batch, seed)
+    step, reset, state_bytes = decode_step(text, layer, batch, seed, context)
     res = {"input_seed": seed}
-    param_bytes = bench_layer.non_expert_bytes(layer)
+    param_bytes = non_expert_bytes(layer)
     moe = getattr(layer, "block_sparse_moe", None)
     if moe is not None:
         ranks = moe.gate.weight.shape[0] // moe.num_experts  # 1 for a whole layer
         hits = hits_per_rank(routing_of(layer, step, reset), moe.num_experts, ranks)
         res["experts_hit"], res["experts_hit_per_rank"] = hits[0], hits
-        param_bytes += hits[0] * bench_layer.expert_bytes(layer)
+        param_bytes += hits[0] * expert_bytes(layer)
     reset()
     res["all_reduces"] = STAND_IN.record(step)
     res["bytes"] = param_bytes + state_bytes
@@ -329,12 +304,13 @@ def measure_layer(text, layer, batch, seed, reps, copy_bw):
 
 def measure_head(language, text, batch, reps, copy_bw):
     """The head stage at `batch`: next token's embedding, output mix over every block + norm, LM head."""
-    gen = torch.Generator(device=device()).manual_seed(batch)
-    ids = torch.randint(0, text.vocab_size, (batch, 1), device=device(), generator=gen)
+    device = common.DEVICE
+    gen = torch.Generator(device=device).manual_seed(batch)
+    ids = torch.randint(0, text.vocab_size, (batch, 1), device=device, generator=gen)
     blocks = len(range(0, text.num_hidden_layers, text.attn_res_block_size))
-    bank = tuple(torch.randn(batch, 1, text.hidden_size, device=device(), generator=gen, dtype=torch.bfloat16)
+    bank = tuple(torch.randn(batch, 1, text.hidden_size, device=device, generator=gen, dtype=torch.bfloat16)
                  for _ in range(blocks))
-    partial = torch.randn(batch, 1, text.hidden_size, device=device(), generator=gen, dtype=torch.bfloat16)
+    partial = torch.randn(batch, 1, text.hidden_size, device=device, generator=gen, dtype=torch.bfloat16)
     model = language.model
 
     def step():
@@ -342,31 +318,33 @@ def measure_head(language, text, batch, reps, copy_bw):
 
     res = {"all_reduces": STAND_IN.record(step)}
     others = [p for n, p in language.named_parameters() if not n.startswith("model.embed_tokens.")]
-    res["bytes"] = bench_layer.nbytes(others) + batch * text.hidden_size * 2  # + the embedding rows looked up
+    res["bytes"] = nbytes(others) + batch * text.hidden_size * 2  # + the embedding rows looked up
     res["floor_ms"] = res["bytes"] / copy_bw * 1e3
     res.update(time_step(step, lambda: None, reps))
     return res
 
 
 def experts_call(moe, z, ids, weights):
-    """The block's routed-experts call as its forward dispatches it: the Triton kernels, else the reference."""
-    pairs = triton_routed_experts(moe, z, ids) if moe.dispatch.at(z.device).experts else None
-    return pairs if pairs is not None else moe.routed_experts(z, ids, weights)
+    """The block's routed-experts op as its forward dispatches it (the Triton kernels where the experts path is on),
+    then the weighted pair sum."""
+    ops = moe.dispatch.ops(z.device)
+    return ops.pair_sum_norm(ops.routed_experts(moe, z, ids), weights, moe.routed_expert_norm, z.dtype)
 
 
 def experts_call_sweep(moe, batch, reps, seed):
     """Median ms of the rank's experts call at `batch` tokens against the number of its experts hit (one pair
     each; the other pairs on other ranks' experts, id = count, as `ExpertParallel.local_ids` marks them)."""
     k, count = moe.gate.top_k, moe.num_experts
-    gen = torch.Generator(device=device()).manual_seed(seed)
-    z = torch.randn(batch, moe.routed_expert_down_proj.out_features, device=device(), generator=gen,
+    device = common.DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    z = torch.randn(batch, moe.routed_expert_down_proj.out_features, device=device, generator=gen,
                     dtype=torch.bfloat16)
-    weights = torch.full((batch, k), 1.0 / k, device=device())
+    weights = torch.full((batch, k), 1.0 / k, device=device)
     out = {}
     for hits in sorted({min(h, count, batch * k) for h in ((1, 2, 3, 4, 6, 8, 16) if batch == 1 else
                                                            (4, 8, 12, 16, 20, 24, 32, 40))}):
-        ids = torch.full((batch, k), count, dtype=torch.int64, device=device())
-        j = torch.arange(hits, device=device())
+        ids = torch.full((batch, k), count, dtype=torch.int64, device=device)
+        j = torch.arange(hits, device=device)
         ids[j % batch, j // batch] = j
         out[str(hits)] = time_step(lambda: experts_call(moe, z, ids, weights), lambda: None, reps)["ms"]
     return out
@@ -386,8 +364,8 @@ def all_reduce_ms_range(messages, model):
 
 
 def single_gpu_reference():
-    """The single-GPU decode TPOT extrapolated from one layer of each kind (bench/layer.py's H200 run)."""
-    path = os.path.join(ROOT, SINGLE_GPU_RESULTS)
+    """The single-GPU decode TPOT extrapolated from one layer of each kind (bench.layer's H200 run)."""
+    path = os.path.join(common.ROOT, SINGLE_GPU_RESULTS)
     try:
         with open(path) as f:
             extrapolation = json.load(f)["extrapolation"]
@@ -455,7 +433,7 @@ def run_layer(kind, index, text, args, results, save):
     layer, the router's hit statistics and the rank's experts call against its hits)."""
     entry = results["layers"].setdefault(kind, {"layer_idx": index})
     t0 = time.time()
-    layer = build(text, index, seed=index)
+    layer = build_layer(text, index, seed=index)
     entry["build_s"] = time.time() - t0
     moe = getattr(layer, "block_sparse_moe", None)
     hit = results["experts_hit_per_rank"]
@@ -464,7 +442,7 @@ def run_layer(kind, index, text, args, results, save):
                                for b in BATCHES}
         hit["router_stats_layer"] = kind
     for b in BATCHES:
-        r = measure_layer(text, layer, b, seed=b, reps=args.reps, copy_bw=args.copy_bw)
+        r = measure_layer(text, layer, b, seed=b, reps=args.reps, copy_bw=args.copy_bw, context=args.context)
         entry.setdefault("full", {})[str(b)] = r
         results["full_layer_ms"].setdefault(kind, {})[str(b)] = r["ms"]
         print(f"[{kind}] full b{b}: {r['ms']:.3f} ms ({r['mode']}), floor {r['floor_ms']:.3f}"
@@ -475,8 +453,8 @@ def run_layer(kind, index, text, args, results, save):
         seed = b
         if moe is not None:
             target = round(hit["router_stats"][str(b)]["max_over_ranks"]["mean"])
-            seed, _ = make_rank0_busiest(text, layer, b, target, range(100, 100 + args.candidates))
-        r = measure_layer(text, layer, b, seed=seed, reps=args.reps, copy_bw=args.copy_bw)
+            seed, _ = make_rank0_busiest(text, layer, b, target, range(100, 100 + args.candidates), args.context)
+        r = measure_layer(text, layer, b, seed=seed, reps=args.reps, copy_bw=args.copy_bw, context=args.context)
         entry.setdefault("rank0_of_8", {})[str(b)] = r
         results["per_rank_layer_ms"].setdefault(kind, {})[str(b)] = r["ms"]
         record_all_reduces(results, kind, b, r["all_reduces"])
@@ -558,7 +536,7 @@ def print_summary(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "tp_sim_h200.json"))
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "tp_sim_h200.json"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true",
                         help="tiny widths and few repetitions: a dry run of the same code (e.g. on the CPU)")
@@ -568,14 +546,12 @@ def main(argv=None):
         print("no CUDA device: run with --device cpu --quick for a dry run", file=sys.stderr)
         return 2
     started = time.time()
-    bench_layer.DEVICE = args.device  # bench/layer.py's helpers read their device and context from these
-    if args.quick:
-        bench_layer.CONTEXT = 16
+    common.DEVICE = args.device  # where bench.common's timers and builders run
+    args.context = 16 if args.quick else MLA_CONTEXT
     args.reps = 5 if args.quick else 50
     args.trials = 64 if args.quick else 512
     args.candidates = 4 if args.quick else 12
-    if os.environ.get("KIMI_K3_QUICK_TUNE") == "1":
-        kda.quick_tune(1)
+    quick_tune = common.quick_tune_from_env()
     tensor_parallel.all_reduce = STAND_IN  # every collective of a sharded module goes through this name
     config = load_config(tiny=args.quick)
     text = config.text_config
@@ -590,14 +566,14 @@ def main(argv=None):
             "heads_per_rank": text.linear_attn_config["num_heads"] // TP, "experts": text.num_experts,
             "experts_per_rank": text.num_experts // TP, "top_k": text.num_experts_per_token,
             "vocab_size": text.vocab_size, "layer_counts": counts, "timed_layer_idx": timed,
-            "bank_rows": BANK_ROWS, "mla_context_tokens": bench_layer.CONTEXT, "reps": args.reps,
+            "bank_rows": BANK_ROWS, "mla_context_tokens": args.context, "reps": args.reps,
             "fast_paths": str(resolve_fast_paths({}, args.device)),
-            "fla_quick_tune": os.environ.get("KIMI_K3_QUICK_TUNE") == "1",
+            "fla_quick_tune": quick_tune,
             "all_reduce_stand_in": "tensor_parallel.all_reduce monkeypatched to an identity that records each call "
                                    "(no NCCL, no process group): rank 0's partial sums stand for the reduced ones; "
                                    "each call's cost comes from all_reduce_model",
-            "versions": {"torch": torch.__version__, "triton": bench_layer._version("triton"),
-                         "fla": bench_layer._version("fla-core")},
+            "versions": {"torch": torch.__version__, "triton": package_version("triton"),
+                         "fla": package_version("fla-core")},
         },
         "per_rank_layer_ms": {}, "full_layer_ms": {},
         "experts_hit_per_rank": {"method": HIT_METHOD},
@@ -608,9 +584,9 @@ def main(argv=None):
                       "device_map_source": f"{SINGLE_GPU_RESULTS} extrapolation.b1/b8.graph.tpot_ms: 93 layers + LM "
                                            "head from one layer of each kind on one H200, CUDA graphs; a device_map "
                                            "split runs the same layers one GPU at a time",
-                      "card_sglang_tp8_tpot_ms": bench_layer.CARD["tpot_ms"],
-                      "card_tok_s": bench_layer.CARD["tok_s"],
-                      "card_source": f"README.md (model card): {bench_layer.CARD['setup']}"},
+                      "card_sglang_tp8_tpot_ms": CARD["tpot_ms"],
+                      "card_tok_s": CARD["tok_s"],
+                      "card_source": f"README.md (model card): {CARD['setup']}"},
         "goal_tpot_ms_b1": GOAL_TPOT_MS_B1,
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "layers": {},
@@ -618,11 +594,9 @@ def main(argv=None):
 
     def save():
         results["elapsed_s"] = time.time() - started
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        common.write_json(args.out, results)
 
-    args.copy_bw = bench_layer.copy_bandwidth(3 if args.quick else 10)
+    args.copy_bw = copy_bandwidth(3 if args.quick else 10)
     results["copy_bandwidth_GBps"] = args.copy_bw / 1e9
     save()
     sections = [(kind, lambda kind=kind: run_layer(kind, timed[kind], text, args, results, save)) for kind in timed]

@@ -1,8 +1,6 @@
 """Test setup: no network, the repository root importable, and small shared fixtures."""
 
-import importlib.util
 import os
-from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,15 +18,3 @@ def packed_checkpoint(tmp_path):
 
     return write_checkpoint(str(tmp_path / "tiny-mxfp4"), packed=True, seed=0)
 
-
-@pytest.fixture(scope="session")
-def bench():
-    """`bench(name)` imports the script bench/<name>.py (bench/ is a folder of scripts, not a package)."""
-    def load(name):
-        path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load

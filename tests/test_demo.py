@@ -1,8 +1,8 @@
 """The shipped trained demo `demo/parent/` (issue 5): layout, code identity, loading, and code-like greedy output.
 
-The completion check uses the prompts and the cut rule of `bench/eval_demo.py` (see its docstring): the model loaded
-in float32 (so transformers 4.57 and 5.x decode alike), greedy, 64 new tokens each, the text cut at the end of the
-prompt's top-level statement (first column-0 line after the prompt, else the last complete line), then
+The completion check uses the prompts and the cut rule of `demo_build/eval_demo.py` (see its docstring): the model
+loaded in float32 (so transformers 4.57 and 5.x decode alike), greedy, 64 new tokens each, the text cut at the end of
+the prompt's top-level statement (first column-0 line after the prompt, else the last complete line), then
 `ast.parse`. At least 2 of the 5 must parse, with their newline and typed without it (token healing).
 """
 
@@ -12,22 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from demo_build import eval_demo, train_demo
 from reap_tools.remote_code import REMOTE_CODE
 from tokenization_kimi_k3 import load_rank_file, tokenizer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demo" / "parent"
-PRUNED = ROOT / "demo" / "reap40"  # bench/retention.py --ship: the REAP-40 prune of DEMO
-SYNC = "python bench/train_demo.py sync-code demo/parent && python bench/train_demo.py sync-code demo/reap40"
+PRUNED = ROOT / "demo" / "reap40"  # retention/retention.py --ship: the REAP-40 prune of DEMO
+SYNC = ("python -m demo_build.train_demo sync-code demo/parent && "
+        "python -m demo_build.train_demo sync-code demo/reap40")
 
 
 @pytest.fixture(scope="module")
-def eval_demo(bench):
-    return bench("eval_demo")
-
-
-@pytest.fixture(scope="module")
-def loaded(eval_demo):
+def loaded():
     return eval_demo.load(DEMO, torch.float32)
 
 
@@ -102,11 +99,11 @@ def test_text_generation_pipeline():
 
 
 @pytest.mark.parametrize("form", ["with_newline", "as_typed_healed"])
-def test_greedy_completions_parse(loaded, eval_demo, form):
+def test_greedy_completions_parse(loaded, form):
     """The five prompts, ending with their newline, or typed without it and healed as `reap_tools generate` does:
     at least 2 of 5 parse under the demo's own decoding (its generation_config: greedy, repetition penalty 1.3).
     Measured: 2 of 5 both ways (the misses: docstrings still open at 64 tokens); on 50 development headers the
-    rates are 27/50 and 26/50 (bench/results/tune_decoding.json)."""
+    rates are 27/50 and 26/50 (demo_build/results/tune_decoding.json)."""
     model, tokenizer = loaded
     assert model.generation_config.repetition_penalty == 1.3 and not model.generation_config.do_sample
     prompts = eval_demo.PROMPTS if form == "with_newline" else eval_demo.AS_TYPED
@@ -116,7 +113,7 @@ def test_greedy_completions_parse(loaded, eval_demo, form):
     assert sum(ok for *_, ok in results) >= 2, report
 
 
-def test_cut_rule(eval_demo):
+def test_cut_rule():
     cut = eval_demo.cut_completion
     assert cut("def f(n):\n", "    return n\n\n\ndef g():\n    pass") == "def f(n):\n    return n\n"
     assert cut("def f(n):\n", "    x = 1\n    return (x +") == "def f(n):\n    x = 1\n"
@@ -130,11 +127,11 @@ def test_cut_rule(eval_demo):
 
 
 @pytest.mark.parametrize("checkpoint,at_least", [(DEMO, 4), (PRUNED, 3)], ids=["parent", "reap40"])
-def test_readme_prompts_parse_as_generate_completes_them(eval_demo, checkpoint, at_least):
+def test_readme_prompts_parse_as_generate_completes_them(checkpoint, at_least):
     """The README's five prompts typed as is (no newline), completed as `python -m reap_tools generate` does them
     (`complete`: 128 new tokens, token healing, stopping where the block ends, the demo's greedy decoding with its
-    repetition penalty) and judged by `bench/eval_demo.py`'s rule, the model in float32, which transformers 4.57
-    and 5.x decode alike. Measured (`bench/calibration_arms.py`): parent 4 of 5 in float32 and 5 in bfloat16
+    repetition penalty) and judged by `demo_build/eval_demo.py`'s rule, the model in float32, which transformers 4.57
+    and 5.x decode alike. Measured (`retention/calibration_arms.py`): parent 4 of 5 in float32 and 5 in bfloat16
     (5.x's default); demo/reap40 3 and 3; the REAP-40 calibrated on windows cut anywhere (shipped until
     2026-12-07) 2 and 0."""
     from transformers import pipeline
@@ -163,12 +160,11 @@ def test_generation_stops_where_the_block_ends(loaded):
     assert last_line and "print(f(2))".startswith(last_line)
 
 
-def test_grouped_training_moe_matches_the_stock_forward(bench):
-    """The training-only grouped expert loop (bench/train_demo.py) computes what KimiK3LatentMoE.forward does."""
+def test_grouped_training_moe_matches_the_stock_forward():
+    """The training-only grouped expert loop (demo_build/train_demo.py) computes what KimiK3LatentMoE.forward does."""
     from modeling_kimi_k3 import KimiK3LatentMoE
     from reap_tools.tiny import random_model, tiny_config
 
-    train_demo = bench("train_demo")
     model = random_model(tiny_config(packed=False), seed=1).train()
     ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(0))
     grads = []
@@ -191,12 +187,11 @@ def test_grouped_training_moe_matches_the_stock_forward(bench):
         assert not grad_b[name].any(), name
 
 
-def test_init_starts_training_from_the_shipped_parent(loaded, tmp_path, bench):
+def test_init_starts_training_from_the_shipped_parent(loaded, tmp_path):
     """`train --init demo/parent` gives the training model the parent's weights (experts unpacked from MXFP4): the
     same logits as the released checkpoint loaded with transformers; a stray tensor is an error that names it."""
     from safetensors.torch import load_file, save_file
 
-    train_demo = bench("train_demo")
     config = train_demo.demo_config(len(load_rank_file(DEMO / "tiktoken.model")))
     model, named, masters, _, _ = train_demo.build(config, "cpu")
     train_demo.load_init(model, masters, named, DEMO)
@@ -228,13 +223,12 @@ def _kda_inputs(length, seed, dtype=torch.float64, bound=-5.0):
 
 
 @pytest.mark.parametrize("length", [1, 16, 40, 70])
-def test_wy_training_kda_matches_the_reference(length, bench):
+def test_wy_training_kda_matches_the_reference(length):
     """The training-only batched WY form gives kda.chunk_kda's outputs, final state and gradients (float64, with an
     initial state, lengths that are not a multiple of its chunk), and in fp32 stays as close to a float64 run as the
     reference does with every gate at the bound (e^{+-G} at its largest)."""
     from kda import chunk_kda
 
-    train_demo = bench("train_demo")
     inputs = [t.requires_grad_() for t in _kda_inputs(length, seed=length)]
     weights = torch.randn(2, length, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     results = []
@@ -259,14 +253,13 @@ def test_wy_training_kda_matches_the_reference(length, bench):
     assert (ours - exact).abs().max() <= 2 * (reference - exact).abs().max() + 1e-7
 
 
-def test_wy_training_kda_runs_the_model_as_the_reference(bench):
+def test_wy_training_kda_runs_the_model_as_the_reference():
     """Under `kda_paths(model, "wy")` the model's KDA is `wy_chunk_kda`, and a training step's loss and gradients are
     the torch reference's (to fp32 rounding: the model's KDA runs in fp32 even in a float64 model); outside the
     block the reference is back; a gate without a lower bound (e^-G unbounded) is refused."""
     import kda
     from reap_tools.tiny import random_model, tiny_config
 
-    train_demo = bench("train_demo")
     stock = kda.chunk_kda
     model = random_model(tiny_config(packed=False), seed=2).train().double()
     ids = torch.randint(0, 400, (2, 37), generator=torch.Generator().manual_seed(0))
@@ -292,11 +285,10 @@ def test_wy_training_kda_runs_the_model_as_the_reference(bench):
             pass
 
 
-def test_stdlib_share_draws_code_windows_from_the_standard_library_part(bench):
+def test_stdlib_share_draws_code_windows_from_the_standard_library_part():
     """`train --stdlib-share`: that share of a batch's code windows lies in the standard library's part of the train
     code, the rest in the packages' part, none across the seam; without it, windows start anywhere (the shipped
     run's sampling, its random stream unchanged)."""
-    train_demo = bench("train_demo")
     stdlib, packages, seq = 3000, 5000, 64
     corpus = dict(train_code=torch.cat([torch.zeros(stdlib), torch.ones(packages)]).long(),
                   train_prose=torch.full((2000,), 2), stdlib_tokens=stdlib)
@@ -333,7 +325,7 @@ def test_token_healing_regenerates_the_last_token(loaded):
     assert torch.equal(processor(torch.zeros(2, 6, dtype=torch.long), scores), scores)  # later steps: free
 
 
-def test_healed_completion_follows_the_prompt_as_typed(loaded, eval_demo):
+def test_healed_completion_follows_the_prompt_as_typed(loaded):
     """A healed completion of a header typed without its newline still continues the prompt as typed, and its first
     new line opens the function's body."""
     model, tokenizer = loaded

@@ -19,11 +19,15 @@ if not torch.cuda.is_available():
 
 import fused_triton  # noqa: E402
 import kda  # noqa: E402
+import kimi_k3_dispatch  # noqa: E402
+import kimi_k3_runners  # noqa: E402
 import mxfp4_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
+from kimi_k3_dispatch import fused_attn_res_mix, use_fast_paths  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
     BlockBank, KimiK3AttnResProj, KimiK3DeltaAttention, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm,
-    KimiK3StaticCache, attn_res_mix, use_fast_paths)
+    KimiK3StaticCache, attn_res_mix, gated_rms_norm, routed_experts, sigmoid_gated_heads)
+from bench.common import REFERENCE, small_model, teacher_forced  # noqa: E402
 from reap_tools.tiny import random_model, tiny_config  # noqa: E402
 
 RUN_EXPERTS = mxfp4_triton.run_experts
@@ -109,7 +113,7 @@ def test_upcast_once_experts_are_the_reference_experts(monkeypatch):
     weights = torch.rand(1024, 4, device=DEVICE, generator=gen)
     stack = moe.stack_experts()
     with torch.no_grad():
-        ref = moe.routed_experts(z, ids, weights)
+        ref = (routed_experts(moe, z, ids).float() * weights[..., None]).sum(1)
         for chunk in (None, 3 * 256 * 128 * 2 * 5):  # one chunk; chunks of 5 experts
             outputs = mxfp4_triton.run_experts_upcast_once(stack, z, ids, 16, 4.0, 25.0, chunk_bytes=chunk)
             assert outputs.dtype == torch.bfloat16 and bool((outputs[ids == 16] == 0).all())
@@ -200,8 +204,8 @@ def test_fused_gated_norm_matches_the_torch_code(tokens, o_dtype):
         attn.o_norm.weight.uniform_(0.5, 1.5)
         o = torch.randn(1, tokens, 96, 128, device=DEVICE).to(o_dtype)
         gate = torch.randn(1, tokens, 96, 128, device=DEVICE).mul_(3).to(torch.bfloat16)
-        got = attn.gated_norm(o, gate, torch.bfloat16, fused=True)
-        ref = attn.gated_norm(o, gate, torch.bfloat16)
+        got = kimi_k3_dispatch.fused_gated_rms_norm(o, gate, attn.o_norm, torch.bfloat16)
+        ref = gated_rms_norm(o, gate, attn.o_norm, torch.bfloat16)
     assert got.dtype == ref.dtype and got.shape == ref.shape
     assert max_rel(got, ref) <= 2 ** -7  # an ulp of the norm where the sums of squares round differently
 
@@ -244,7 +248,7 @@ def test_mxfp4_kernel_variants(upcast, atomic, config):
     # per pair: each expert's output rounded to bf16, unweighted; weighted in fp32 they give the same sum
     assert outputs.shape == (*ids.shape, 256) and outputs.dtype == torch.bfloat16
     assert rel((outputs.float() * weights[..., None]).sum(1), ref) < BF16_TOL
-    assert stack.lop3_ok  # scale codes 114..123: the lop3 kernels ran, not their dot_scaled fallback
+    assert mxfp4_triton.lop3_applies(stack)  # scale codes 114..123: the lop3 kernels ran, not dot_scaled
 
 
 @pytest.mark.parametrize("low,high", [(0, 129), (114, 140)])
@@ -256,7 +260,7 @@ def test_mxfp4_lop3_kernels_over_the_scale_codes(low, high):
     with torch.no_grad():
         stack = moe.stack_experts()
         out = mxfp4_triton.run_experts(stack, z, ids, weights, 16, 4.0, 25.0, upcast="lop3")
-    assert stack.lop3_ok == (high - 1 <= mxfp4_triton.LOP3_MAX_SCALE_CODE)
+    assert mxfp4_triton.lop3_applies(stack) == (high - 1 <= mxfp4_triton.LOP3_MAX_SCALE_CODE)
     assert rel(out, ref) < BF16_TOL
 
 
@@ -318,7 +322,7 @@ def test_fused_depth_mix_matches_torch(n, rows):
         for module in (norm, out_norm):
             module.weight.uniform_(0.5, 1.5, generator=gen)
         proj.weight.normal_(0.0, 0.05, generator=gen)
-        fused = attn_res_mix(BlockBank(sources[:-1]), sources[-1], norm, proj, out_norm, fused=True)
+        fused = fused_attn_res_mix(BlockBank(sources[:-1]), sources[-1], norm, proj, out_norm)
         ref = attn_res_mix(sources[:-1], sources[-1], norm, proj, out_norm)
     err = max_rel(fused, ref)
     print(f"fused depth mix n={n} rows={rows}: max diff {err:.1e} of max |ref|")
@@ -357,9 +361,11 @@ def test_mla_absorbed_matches_expanded():
     attn = KimiK3MLAttention(config, 0).to(DEVICE, torch.bfloat16)
     q = torch.randn(2, 8, 3, 48, device=DEVICE, dtype=torch.bfloat16)
     latent = torch.randn(2, 40, 144, device=DEVICE, dtype=torch.bfloat16)
-    mask = torch.ones(2, 1, 3, 40, dtype=torch.bool, device=DEVICE).tril(37)
+    mask = torch.ones(2, 1, 3, 40, dtype=torch.bool, device=DEVICE).tril(37)  # queries at 37..39 over 40 keys
+    ops = attn.dispatch.ops(q.device)
     with torch.no_grad():
-        assert rel(attn.attend_absorbed(q, latent, mask), attn.attend_expanded(q, latent, mask)) < BF16_TOL
+        absorbed = attn.attend_absorbed(q, latent, None, torch.arange(37, 40, device=DEVICE), ops)
+        assert rel(absorbed, attn.attend_expanded(q, latent, mask, ops)) < BF16_TOL
 
 
 @pytest.mark.parametrize("rows,keys,position,padded", [(1, 2048, 2047, False), (2, 4096, 1000, True),
@@ -367,8 +373,6 @@ def test_mla_absorbed_matches_expanded():
 def test_fused_latent_attention_matches_the_absorbed_torch_code(rows, keys, position, padded):
     """fused_triton.latent_attention inside the release-width MLA block (64 heads, latent 512 + 64) against its
     torch absorbed path, bf16: a growing cache's keys, a static cache's tail past the query with padding, 131k."""
-    from modeling_kimi_k3 import _causal_padding_mask
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     from configuration_kimi_k3 import KimiK3Config
 
@@ -382,8 +386,9 @@ def test_fused_latent_attention_matches_the_absorbed_torch_code(rows, keys, posi
     key_mask = (torch.rand(rows, keys, device=DEVICE) > 0.2) if padded else None
     positions = torch.tensor([position], device=DEVICE)
     with torch.no_grad():
-        want = attn.attend_absorbed(q, latent, _causal_padding_mask(key_mask, positions, keys))
-        got = attn.attend_absorbed(q, latent, key_mask=key_mask, position=positions)
+        want = attn.attend_absorbed(q, latent, key_mask, positions, modeling_kimi_k3.REFERENCE_OPS)
+        got = attn.attend_absorbed(q, latent, key_mask, positions, attn.dispatch.ops(q.device))
+    assert attn.dispatch.ops(q.device).latent_attention is not modeling_kimi_k3.latent_attention
     print(f"fused latent attention, {rows} x {keys} keys, query at {position}: rel {rel(got, want):.2e}")
     assert rel(got, want) < BF16_TOL
 
@@ -413,8 +418,8 @@ def test_fused_mla_prompt_matches_the_torch_code(batch, length, cached):
 
     heads_out = torch.randn(batch, length, attn.num_heads, attn.v_dim, device=DEVICE, dtype=torch.bfloat16)
     gate = torch.randn(batch, length, attn.num_heads * attn.v_dim, device=DEVICE, dtype=torch.bfloat16) * 3
-    got = attn.gated_output(heads_out.transpose(1, 2), gate, fused=True)
-    ref = attn.gated_output(heads_out.transpose(1, 2), gate)
+    got = fused_triton.sigmoid_gated_heads(heads_out.transpose(1, 2), gate)
+    ref = sigmoid_gated_heads(heads_out.transpose(1, 2), gate)
     assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all()
 
     x = torch.randn(batch, cached + length, text.hidden_size, device=DEVICE, dtype=torch.bfloat16)
@@ -426,39 +431,12 @@ def test_fused_mla_prompt_matches_the_torch_code(batch, length, cached):
             if cached:
                 cache = KimiK3Cache(text)
                 attn(x[:, :cached], mask[:, :cached], cache)
-                cache.seen_tokens = cached
+                cache.advance(cached)
                 outs[fused] = attn(x[:, cached:], mask, cache)
             else:
                 outs[fused] = attn(x)
     print(f"fused MLA prompt, {batch} x {length} after {cached}: rel {rel(outs[True], outs[False]):.2e}")
     assert rel(outs[True], outs[False]) < BF16_TOL
-
-
-def small_model():
-    config = tiny_config(packed=True, hidden_size=128, routed_expert_hidden_size=256, moe_intermediate_size=128,
-                         num_experts=16, num_experts_per_token=4,
-                         linear_attn_config=dict(num_heads=96, head_dim=128, full_attn_layers=[3, 6],
-                                                 kda_layers=[1, 2, 4, 5]))
-    model = random_model(config, seed=5)
-    with torch.no_grad():
-        model.language_model.lm_head.weight.mul_(30.0)  # sharper logits: fewer near-ties for greedy to flip on
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = model.config.pad_token_id
-    return model.to(DEVICE, torch.bfloat16)
-
-
-REFERENCE = dict.fromkeys(("experts", "kda", "kda_prefill", "fused", "side_streams", "cuda_graphs"), "off")
-
-
-def teacher_forced(model, prompt, generated):
-    """Run the reference paths (no cache) over `generated`; per generated token, its logit's shortfall below the
-    reference's argmax in logit standard deviations (0 where the reference would have picked it too). Returns
-    (share of steps at 0, mean shortfall, largest shortfall)."""
-    with torch.no_grad(), use_fast_paths(model, **REFERENCE):
-        logits = model(generated[:, :-1]).logits[:, prompt.shape[1] - 1:].float()
-    chosen = generated[:, prompt.shape[1]:]
-    gap = (logits.max(-1).values - logits.gather(-1, chosen[..., None])[..., 0]) / logits.std(-1)
-    return float((gap == 0).float().mean()), gap.mean().item(), gap.max().item()
 
 
 # Routing top-k and near-tied logits flip under bf16 noise (a different expert at one step can move the logits by
@@ -509,13 +487,13 @@ def test_fla_kda_matches_reference_on_the_model_activations():
         return o, s
 
     prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 77, 123, 42]], device=DEVICE)
-    original = modeling_kimi_k3.kda_forward
-    modeling_kimi_k3.kda_forward = both
+    original = kimi_k3_dispatch.kda_forward  # what the fla delta-rule op calls
+    kimi_k3_dispatch.kda_forward = both
     try:
         with torch.no_grad():
             model.generate(prompt, max_new_tokens=6, do_sample=False)
     finally:
-        modeling_kimi_k3.kda_forward = original
+        kimi_k3_dispatch.kda_forward = original
     worst = max(errors, key=lambda e: max(e[1:]))
     print(f"fla kda in model: {len(errors)} calls, worst (T, o, state) = {worst}")
     assert all(o < BF16_TOL and s < BF16_TOL for _, o, s in errors), errors
@@ -542,18 +520,18 @@ def test_chunked_prefill_keeps_the_greedy_tokens():
               f"{scores['on']}, recurrent {scores['off']}")
         assert scores["on"][0] >= 0.9 and scores["on"][1] <= 0.005, scores
     calls = []
-    original = modeling_kimi_k3.kda_forward
+    original = kimi_k3_dispatch.kda_forward
 
     def capture(*args, **kwargs):
         calls.append(args)
         return original(*args, **kwargs)
 
-    modeling_kimi_k3.kda_forward = capture
+    kimi_k3_dispatch.kda_forward = capture
     try:
         with torch.no_grad():
             model(torch.randint(0, 250, (1, 512), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3)))
     finally:
-        modeling_kimi_k3.kda_forward = original
+        kimi_k3_dispatch.kda_forward = original
     for q, k, v, g_raw, beta_raw, A_log, dt_bias, bound, scale, _ in calls:
         with torch.no_grad():
             truth_o, truth_s = kda.recurrent_kda(
@@ -581,7 +559,7 @@ def test_training_takes_only_paths_with_a_backward(dtype):
     ids = torch.randint(0, config.text_config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
     ids = ids.to(DEVICE)
     kernels = []
-    original = modeling_kimi_k3.kda_forward
+    original = kimi_k3_dispatch.kda_forward  # what the fla delta-rule op calls (the reference table calls kda's own)
 
     def spy(*args, **kwargs):
         kernels.append(kwargs["kernel"])
@@ -593,14 +571,14 @@ def test_training_takes_only_paths_with_a_backward(dtype):
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
-    modeling_kimi_k3.kda_forward = spy
+    kimi_k3_dispatch.kda_forward = spy
     try:
         loss, grads = run()
         with use_fast_paths(model, **REFERENCE):
             ref_loss, ref_grads = run()
     finally:
-        modeling_kimi_k3.kda_forward = original
-    assert set(kernels) == {"chunk", None}, kernels  # fla's chunk kernel first, then the reference run
+        kimi_k3_dispatch.kda_forward = original
+    assert set(kernels) == {"chunk"}, kernels  # fla's chunk kernel, never its forward-only recurrent one
     worst = max(((rel(grads[n], g), n) for n, g in ref_grads.items()), key=lambda t: t[0])
     print(f"training step, fast paths vs reference: loss {loss.item():.5f} vs {ref_loss.item():.5f}; "
           f"worst gradient {worst[1]}: {worst[0]:.2e}; {len(ref_grads)} gradients")
@@ -648,7 +626,7 @@ def test_side_streams_change_nothing():
         runs[side] = first, tokens
     print(f"side streams: prefill logits identical {torch.equal(runs[True][0], runs[False][0])}, graph-decoded "
           f"tokens identical {torch.equal(runs[True][1], runs[False][1])}")
-    assert modeling_kimi_k3._side_streams, "no side stream was used"
+    assert kimi_k3_runners._side_streams, "no side stream was used"
     assert torch.equal(runs[True][0], runs[False][0])
     assert torch.equal(runs[True][1], runs[False][1])
 
@@ -670,9 +648,11 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
     def run(requested):
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.bfloat16,
                                                      fast_paths=requested).to(DEVICE)
-        code = sys.modules[type(model).__module__]
+        package = type(model).__module__.rpartition(".")[0]  # the remote-code copy transformers imported
+        code, runners = sys.modules[package + ".kimi_k3_dispatch"], sys.modules[package + ".kimi_k3_runners"]
         taken = dict.fromkeys(("experts", "kda", "kda_prefill", "fused", "side_streams"), 0)
-        originals = code.triton_routed_experts, code.kda_forward, code.fused_attn_res_mix, code.SideBranch.__enter__
+        originals = (code.triton_routed_experts, code.kda_forward, code.triton_attn_res_mix,
+                     runners.SideBranch.__enter__)
 
         def experts(*args):
             taken["experts"] += 1
@@ -691,8 +671,9 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
             taken["side_streams"] += branch.side is not None
             return originals[3](branch)
 
-        code.triton_routed_experts, code.kda_forward, code.fused_attn_res_mix = experts, kda_forward, mix
-        code.SideBranch.__enter__ = enter
+        code.triton_routed_experts, code.kda_forward, code.triton_attn_res_mix = experts, kda_forward, mix
+        runners.SideBranch.__enter__ = enter
+        model.dispatch._resolved.clear()  # the tables hold the kernels they were resolved with: resolve again
         try:
             model.generation_config.eos_token_id = None
             with torch.no_grad():
@@ -700,10 +681,10 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
                 model.generate(torch.tensor([[5, 17, 9, 33]], device=DEVICE), max_new_tokens=6, do_sample=False,
                                cache=cache)
         finally:
-            code.triton_routed_experts, code.kda_forward, code.fused_attn_res_mix = originals[:3]
-            code.SideBranch.__enter__ = originals[3]
+            code.triton_routed_experts, code.kda_forward, code.triton_attn_res_mix = originals[:3]
+            runners.SideBranch.__enter__ = originals[3]
         taken["cuda_graphs"] = int(cache.decode_graph is not None and cache.decode_graph.captured)
-        return str(model.language_model.model.dispatch.resolved(torch.device(DEVICE, torch.cuda.current_device()))), taken
+        return str(model.dispatch.resolved(torch.device(DEVICE, torch.cuda.current_device())).paths), taken
 
     resolved, taken = run({})
     print(f"remote-code model, defaults: {resolved}; calls {taken}")

@@ -1,14 +1,12 @@
-"""The calibration windows of bench/retention.py (issue 21): each starts at a file's first token, spread over files."""
+"""The calibration windows of retention/retention.py (issue 21): each starts at a file's first token, spread over
+files."""
 
 import numpy as np
 import pytest
 
+from retention import retention
+
 SEP = 9
-
-
-@pytest.fixture(scope="module")
-def retention(bench):
-    return bench("retention")
 
 
 def corpus(lengths, seed=0):
@@ -26,7 +24,7 @@ def corpus(lengths, seed=0):
     return np.concatenate(parts).astype(np.uint16), starts
 
 
-def test_windows_begin_at_file_starts_spread_over_the_files(retention):
+def test_windows_begin_at_file_starts_spread_over_the_files():
     lengths = [30, 5, 12, 40, 7, 25, 33, 18, 9, 50]
     ids, starts = corpus(lengths)
     w = retention.file_start_windows(ids, 4, SEP, seq_len=16)
@@ -40,7 +38,7 @@ def test_windows_begin_at_file_starts_spread_over_the_files(retention):
     assert SEP in every[1]  # the 5-token file's window runs on into the next file
 
 
-def test_too_many_windows_name_the_split(retention):
+def test_too_many_windows_name_the_split():
     ids, _ = corpus([20, 20, 20])
     assert len(retention.file_start_windows(ids, 3, SEP, seq_len=16)) == 3
     with pytest.raises(SystemExit, match="train_code.npy: 4 calibration windows at file starts asked, 3 files"):
