@@ -13,7 +13,7 @@ from transformers.utils import logging
 logger = logging.get_logger("transformers.kimi_k3")
 
 # The release's MoonViT vision tower: a text-only load skips it on purpose (`check_checkpoint` says so once); any
-# other unexpected tensor stays an error.
+# other unexpected tensor stays an error. Its dtypes are not this model's concern.
 VISION_KEYS = (r"^vision_tower\.", r"^mm_projector\.")
 
 
@@ -30,49 +30,132 @@ def checkpoint_directory(path, kwargs):
     return os.path.join(path, kwargs.get("subfolder") or "")
 
 
-def check_checkpoint(model_class, directory, config):
-    """Compare a local checkpoint's tensor names, shapes and dtypes with what `model_class(config)` holds, before
-    loading; returns the headers read (`read_safetensors_headers`).
-
-    The model's state_dict on the meta device gives the expected tensors: a uint8 one (MXFP4 bytes and scales)
-    must be stored as U8, an integer one as its own dtype, a float one as BF16, F16 or F32 (any dtype the model
-    may be loaded in). A scale stored as BF16 or a router weight as I64 would otherwise be cast silently.
-    """
-    found = read_safetensors_headers(directory)
+def check_checkpoint(model_class, directory, config, headers=None):
+    """Compare a local checkpoint with `model_class(config)` before loading: first the cheap structural pass
+    (`check_structure`, which needs no model), then every tensor name and shape against the model's state_dict on
+    the meta device. Returns the headers read (`read_safetensors_headers`)."""
+    found = read_safetensors_headers(directory) if headers is None else headers
+    check_structure(directory, config, found)
     with torch.device("meta"):
-        expected = {k: (tuple(v.shape), v.dtype) for k, v in model_class(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in model_class(config).state_dict().items()}
     mismatched = [f"{k} (checkpoint {list(found[k][2])}, model {list(s)})"
-                  for k, (s, _) in expected.items() if k in found and found[k][2] != s]
-    wrong_dtype = []
-    for k, (_, dtype) in expected.items():
-        accepted = _SAFETENSORS_FLOATS if dtype.is_floating_point else (_SAFETENSORS_DTYPES.get(dtype, str(dtype)),)
-        if k in found and found[k][1] not in accepted:
-            wrong_dtype.append(f"{k} in {found[k][0]} ({found[k][1]}, model expects {' or '.join(accepted)})")
+                  for k, s in expected.items() if k in found and found[k][2] != s]
     unexpected = sorted(set(found) - set(expected))
-    raise_on_key_problems(directory, sorted(set(expected) - set(found)), unexpected, mismatched, wrong_dtype,
+    raise_on_key_problems(directory, sorted(set(expected) - set(found)), unexpected, mismatched,
                           ignored=model_class._keys_to_ignore_on_load_unexpected)
-    vision = [k for k in unexpected if any(re.search(p, k) for p in VISION_KEYS)]
+    vision = [k for k in unexpected if _is_vision(k)]
     if vision:
         logger.warning(f"{directory}: skipping {len(vision)} vision-tower tensors (names matching "
                        f"{', '.join(VISION_KEYS)}): this model is text-only")
     return found
 
 
-def raise_on_key_problems(source, missing, unexpected, mismatched, wrong_dtype=(), ignored=()):
+def raise_on_key_problems(source, missing, unexpected, mismatched, ignored=()):
     """One error naming the tensors at fault in `source`, unexpected ones matching a pattern of `ignored` aside."""
     unexpected = [k for k in unexpected if not any(re.search(p, k) for p in ignored or ())]
-    problems = {"missing": sorted(missing), "unexpected": sorted(unexpected), "mismatched": sorted(mismatched),
-                "wrong dtype": sorted(wrong_dtype)}
+    problems = {"missing": sorted(missing), "unexpected": sorted(unexpected), "mismatched": sorted(mismatched)}
     if any(problems.values()):
         detail = "; ".join(f"{kind}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else "")
                            for kind, keys in problems.items() if keys)
         raise ValueError(f"{source}: checkpoint does not match the model ({detail})")
 
 
-# safetensors dtype names: those a float parameter may be stored as, and the one an integer tensor must have.
-_SAFETENSORS_FLOATS = ("BF16", "F16", "F32")
-_SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
-                       torch.int64: "I64", torch.bool: "BOOL"}
+# The one dtype rule of the loader and `verify`: MXFP4 packs and their E8M0 scales are bytes (U8); every other
+# tensor of this model is a float, stored as any dtype the model may be loaded in. A scale stored as BF16 or a router
+# weight as I64 would otherwise be cast silently.
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+PACKED_SUFFIXES = (".weight_packed", ".weight_scale")
+# E8M0's NaN: no scale of a valid pack holds it, and one makes its whole group of 32 weights NaN.
+E8M0_NAN = 0xFF
+_LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
+
+
+def accepted_dtypes(name):
+    """The safetensors dtypes tensor `name` may be stored as."""
+    return ("U8",) if name.endswith(PACKED_SUFFIXES) else FLOAT_DTYPES
+
+
+def _is_vision(name):
+    return any(re.search(p, name) for p in VISION_KEYS)
+
+
+def check_structure(directory, config, headers):
+    """The cheap structural pass of a checkpoint against its config, shared by the loader and `verify`, before
+    anything large is allocated: the config's sizes against the shard headers (layers, experts a layer, hidden and
+    latent widths, vocabulary), every tensor's dtype (`accepted_dtypes`), and a sample of the MXFP4 scales (each
+    layer's first and last expert) for E8M0's NaN code. Its cost follows the headers, never the config's sizes, so a
+    hostile config (10^7 experts) fails here in seconds. One error naming the fields, tensors and files at fault."""
+    text = getattr(config, "text_config", config)
+    problems = [f"wrong dtype: {k} in {file} ({dtype}, model expects {' or '.join(accepted_dtypes(k))})"
+                for k, (file, dtype, _) in sorted(headers.items())
+                if not _is_vision(k) and dtype not in accepted_dtypes(k)]
+    problems += [f"config: {problem}" for problem in _size_problems(text, headers)]
+    if not problems:
+        problems += [f"NaN scale: {problem}" for problem in _nan_scales(directory, headers)]
+    if problems:
+        detail = "; ".join(problems[:8]) + (f"; ... ({len(problems) - 8} more)" if len(problems) > 8 else "")
+        raise ValueError(f"{directory}: checkpoint does not match the model ({detail})")
+
+
+def _size_problems(text, headers):
+    """The config's sizes that the shard headers contradict, each naming the config field and a tensor."""
+    prefix = "language_model.model."
+
+    def shape(name):
+        return headers[name][2] if name in headers else None
+
+    problems = []
+    embed = shape(prefix + "embed_tokens.weight")
+    if embed is not None and embed != (text.vocab_size, text.hidden_size):
+        problems.append(f"vocab_size, hidden_size = {text.vocab_size}, {text.hidden_size}, but "
+                        f"{prefix}embed_tokens.weight is {list(embed)}")
+    layers = {int(m.group(1)) for k in headers if (m := _LAYER.match(k))}
+    if layers and max(layers) + 1 != text.num_hidden_layers:
+        problems.append(f"num_hidden_layers = {text.num_hidden_layers}, but the shards hold layers 0..{max(layers)}")
+    experts = {}
+    for k in headers:
+        if m := _EXPERT.match(k):
+            experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    field = "num_experts_per_layer[{}]" if text.num_experts_per_layer is not None else "num_experts"
+    for layer in sorted(layers):
+        if layer >= text.num_hidden_layers:
+            continue
+        want, name = text.experts_in_layer(layer), f"{prefix}layers.{layer}.block_sparse_moe.gate.weight"
+        router = shape(name)
+        if router is not None and router != (want, text.hidden_size):  # the router sizes a layer's experts
+            problems.append(f"{field.format(layer)}, hidden_size = {want}, {text.hidden_size} (layer {layer}), but "
+                            f"{name} is {list(router)}")
+        elif router is None and len(experts.get(layer, ())) != want:
+            problems.append(f"{field.format(layer)} = {want} (layer {layer}), but the shards hold no router for it and "
+                            f"{len(experts.get(layer, ()))} experts")
+        packed = shape(f"{prefix}layers.{layer}.block_sparse_moe.experts.0.w1.weight_packed")
+        if packed is not None and packed != (text.moe_intermediate_size, text.routed_expert_hidden_size // 2):
+            problems.append(f"moe_intermediate_size, routed_expert_hidden_size = {text.moe_intermediate_size}, "
+                            f"{text.routed_expert_hidden_size}, but layer {layer}'s experts.0.w1.weight_packed is "
+                            f"{list(packed)}")
+    return problems
+
+
+def _nan_scales(directory, headers):
+    """Scales holding E8M0's NaN code among each MoE layer's first and last expert."""
+    sample = {}
+    for k, (file, _, _) in headers.items():
+        m = _EXPERT.match(k)
+        if m and k.endswith(".weight_scale"):
+            layer, expert = int(m.group(1)), int(m.group(2))
+            sample.setdefault(layer, {}).setdefault(expert, []).append((file, k))
+    reads = {}
+    for by_expert in sample.values():
+        for expert in {min(by_expert), max(by_expert)}:
+            for file, k in by_expert[expert]:
+                reads.setdefault(file, []).append(k)
+    problems = []
+    for file, keys in sorted(reads.items()):
+        with safe_open(os.path.join(directory, file), "pt") as f:
+            problems += [f"{k} in {file} holds E8M0 code 0xFF (NaN)" for k in sorted(keys)
+                         if bool((f.get_tensor(k) == E8M0_NAN).any())]
+    return problems
 
 
 def read_safetensors_headers(directory):
@@ -109,3 +192,16 @@ def read_safetensors_headers(directory):
                                  f"{weight_map.get(key)}")
             found[key] = (name, dtype, shape)
     return found
+
+
+def check_loaded_scales(model, source):
+    """After a load, every MXFP4 scale of the model against E8M0's NaN code (free: stacking the experts read each
+    layer's largest code); one error naming the first tensor that holds it."""
+    for name, module in model.named_modules():
+        stack = getattr(module, "expert_stack", None)
+        if stack is None or stack.max_scale_code != E8M0_NAN:
+            continue
+        for e, expert in enumerate(module.experts):
+            for proj in ("w1", "w3", "w2"):
+                if bool((getattr(expert, proj).weight_scale == E8M0_NAN).any()):
+                    raise ValueError(f"{source}: {name}.experts.{e}.{proj}.weight_scale holds E8M0 code 0xFF (NaN)")

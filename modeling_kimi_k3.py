@@ -25,7 +25,8 @@ try:
     from .kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask, given_cache,
                                 next_positions, output_with_cache)
     from .kimi_k3_dispatch import FastPathDispatch, FastPaths, Ops, use_fast_paths
-    from .kimi_k3_loading import VISION_KEYS, check_checkpoint, checkpoint_directory, raise_on_key_problems
+    from .kimi_k3_loading import (VISION_KEYS, check_checkpoint, check_loaded_scales, checkpoint_directory,
+                                  raise_on_key_problems)
     from .kimi_k3_runners import execution_device, kda_side_by_side, mla_side_by_side, moe_side_by_side
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4, stack_experts
     from .tensor_parallel import load_tensor_parallel
@@ -35,7 +36,8 @@ except ImportError:  # imported from the repository root rather than as transfor
     from kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask, given_cache,
                                next_positions, output_with_cache)
     from kimi_k3_dispatch import FastPathDispatch, FastPaths, Ops, use_fast_paths
-    from kimi_k3_loading import VISION_KEYS, check_checkpoint, checkpoint_directory, raise_on_key_problems
+    from kimi_k3_loading import (VISION_KEYS, check_checkpoint, check_loaded_scales, checkpoint_directory,
+                                 raise_on_key_problems)
     from kimi_k3_runners import execution_device, kda_side_by_side, mla_side_by_side, moe_side_by_side
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4, stack_experts
     from tensor_parallel import load_tensor_parallel
@@ -907,6 +909,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                               **kwargs)
         model.stack_experts()  # the loaded packs replaced the ones stacked at construction
+        check_loaded_scales(model, path)
         model.dispatch.request(fast_paths)
         for device in {p.device for p in model.parameters()} - {torch.device("meta")}:
             model.dispatch.resolved(device)  # resolve (and log) the fast paths once per device

@@ -35,9 +35,9 @@ from safetensors import safe_open
 from torch import nn
 
 try:
-    from .kimi_k3_loading import check_checkpoint, checkpoint_directory
+    from .kimi_k3_loading import check_checkpoint, check_loaded_scales, checkpoint_directory
 except ImportError:  # imported from the repository root rather than as transformers remote code
-    from kimi_k3_loading import check_checkpoint, checkpoint_directory
+    from kimi_k3_loading import check_checkpoint, check_loaded_scales, checkpoint_directory
 
 # from_pretrained keywords that mean nothing to a tensor-parallel load (the Auto classes add some of them)
 _IGNORED_KWARGS = ("_from_auto", "_commit_hash", "adapter_kwargs", "trust_remote_code", "low_cpu_mem_usage",
@@ -329,6 +329,7 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, fast_p
     model.eval()
     model.tensor_parallel = tp
     model.stack_experts()
+    check_loaded_scales(model, directory)
     model.dispatch.request(fast_paths)
     model.dispatch.resolved(device)  # resolve (and log) the fast paths
     _load_generation_config(model, directory)
