@@ -25,6 +25,10 @@ try:
     from .kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask, given_cache,
                                 next_positions, output_with_cache)
     from .kimi_k3_dispatch import FastPathDispatch, FastPaths, Ops, use_fast_paths
+    # transformers 4.57 copies a local folder's modules into its cache from this file's relative imports alone, not
+    # theirs in turn: the kernel modules, which only the dispatch imports, are named here so that they travel too
+    from .fused_triton import supported as _  # noqa: F401
+    from .mxfp4_triton import supported as _  # noqa: F401, F811
     from .kimi_k3_loading import (VISION_KEYS, check_checkpoint, check_loaded_scales, checkpoint_directory,
                                   raise_on_key_problems)
     from .kimi_k3_runners import execution_device, kda_side_by_side, mla_side_by_side, moe_side_by_side
