@@ -24,12 +24,20 @@ raises on model output and never drops text: anything that does not fit the form
 common result of a small `max_new_tokens`, is flagged `truncated_in_reasoning` with a `warning`
 that says what to do. `StreamParser` gives the same result from input fed in pieces of any size,
 in time linear in its length, and never emits part of a marker it might still be reading.
+
+Markers the model skips are read as meant: a think channel that runs into `<|open|>response` or
+`<|open|>tools` without `<|close|>think` still gives its answer and calls; one closed as the response
+or the message (the model answered without thinking) is the content; a tools section cut off after
+complete calls gives them, flagged truncated. Tool-call `arguments` are always strict JSON (no NaN
+or Infinity); a call whose values are not, or whose tool name is blank or multi-line, is malformed.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import math
 import re
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
@@ -52,6 +60,7 @@ _ATTRS_RE = re.compile(r'(?:\s+\w+="[^"]*")*\s*')
 _ATTR_RE = re.compile(r'(\w+)="([^"]*)"')
 _TYPES = {
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),  # JSON Schema's, as SGLang reads it
     "boolean": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
     "object": lambda v: isinstance(v, dict),
@@ -86,6 +95,19 @@ _NEXT = {
     "after_tools": ((M_CLOSE, "message", "done"),),
 }
 _CHANNEL_OPENS = ((M_OPEN, "think", "think"), (M_OPEN, "response", "response"), (M_OPEN, "tools", "tools"))
+# What ends each channel. Besides its own closing marker, the model may skip a marker: a think channel
+# that opens the response or tools goes on there; one that closes the response or the message was the
+# answer all along (the model answered without thinking). An answer may run straight into tools or the end.
+_CHANNEL_ENDS = {
+    "think": (
+        (M_CLOSE, "think", "after_think"),
+        (M_OPEN, "response", "response"),
+        (M_OPEN, "tools", "tools"),
+        (M_CLOSE, "response", "after_response"),
+        (M_CLOSE, "message", "done"),
+    ),
+    "response": ((M_CLOSE, "response", "after_response"), (M_OPEN, "tools", "tools"), (M_CLOSE, "message", "done")),
+}
 
 
 def _text(items) -> str:
@@ -150,6 +172,13 @@ class _TextLexer:
     def finish(self) -> list:
         return self._lex(self._tail, final=True)
 
+    def text_of(self, chunk) -> str | None:
+        """`chunk` when it is all text (no marker, nor the start of one at its end), else None: StreamParser's
+        fast path."""
+        if type(chunk) is not str or self._tail or self._ending or _MARKER_RE.search(chunk):
+            return None
+        return None if _PARTIAL_MARKER_RE.search(chunk, max(0, len(chunk) - _LONGEST_MARKER)) else chunk
+
     def _lex(self, buf: str, final: bool) -> list:
         out, pos, literal_until = [], 0, 0
         if self._ending:
@@ -196,8 +225,10 @@ def _as_ids(ids) -> list[int]:
 class _IdLexer:
     """Token ids -> items: only the control token ids are structure; every other id is text.
 
-    Text is decoded as `skip_special_tokens=True` decodes it. Up to three ids that end inside a
-    UTF-8 character are held back until it completes, so streamed text matches decoding at once.
+    Text is decoded as `skip_special_tokens=True` decodes it, each run between control ids on its
+    own. The run's bytes are decoded incrementally (Python's UTF-8 decoder with final=False), which
+    holds back the bytes of a character that is not complete yet and replaces invalid bytes exactly as
+    decoding all of them at once does, so any chunking gives the same text, U+FFFD included.
     """
 
     def __init__(self, tokenizer):
@@ -207,25 +238,42 @@ class _IdLexer:
             if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != marker:
                 raise ValueError(f"the tokenizer has no {marker} token: it is not a Kimi K3 tokenizer")
             self._controls[token_id] = item
+        if not callable(getattr(tokenizer, "decode_bytes", None)):
+            raise ValueError("the tokenizer has no decode_bytes: it is not a Kimi K3 tokenizer")
         self._tokenizer = tokenizer
-        self._run: list[int] = []  # ordinary ids not decoded yet
+        self._pending = b""  # the start of a character whose remaining bytes have not arrived
+        self._token_bytes: dict[int, bytes] = {}  # id -> its bytes, for text fed one id at a time
         self._ended = False
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+    def _utf8(self, data: bytes, final: bool) -> str:
+        if self._pending:
+            data = self._pending + data
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        self._pending = data[used:]
+        return text
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            data = self._token_bytes[token_id] = self._tokenizer.decode_bytes([token_id], skip_special_tokens=True)
+        return data
+
+    def text_of(self, chunk) -> str | None:
+        """The text ordinary ids add (possibly ""), or None if the chunk needs `feed`: StreamParser's fast path."""
+        if self._ended:
+            return None
+        if type(chunk) is list and len(chunk) == 1:
+            chunk = chunk[0]
+        if type(chunk) is int:
+            return None if chunk in self._controls else self._utf8(self._bytes_of(chunk), False)
+        if type(chunk) is not list or not all(type(i) is int for i in chunk):
+            return None
+        if not self._controls.keys().isdisjoint(chunk):
+            return None
+        return self._utf8(b"".join([self._bytes_of(token_id) for token_id in chunk]), False)
 
     def _flush(self, out: list, ids: list[int], final: bool) -> None:
-        run = self._run + ids
-        text = self._decode(run)
-        self._run = []
-        if not final and text.endswith("\ufffd"):
-            for keep in range(1, min(3, len(run)) + 1):
-                head = self._decode(run[:-keep])
-                if not head.endswith("\ufffd"):
-                    text, self._run = head, run[-keep:]
-                    break
-            else:
-                text, self._run = self._decode(run[:-3]), run[-3:]
+        text = self._utf8(self._tokenizer.decode_bytes(ids, skip_special_tokens=True) if ids else b"", final)
         if text:
             out.append(text)
 
@@ -294,10 +342,24 @@ def _element(items: list, i: int, name: str) -> tuple[dict[str, str], str, int]:
     return attrs, _text(items[start:j]), j + 3
 
 
+def _no_constant(word: str):
+    raise MalformedToolCall(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise MalformedToolCall(f"{text[:40]} is past the range of a JSON number")
+    return number
+
+
 def _json(value: str, what: str):
-    """`value` read as JSON; MalformedToolCall, never another error, when it cannot be."""
+    """`value` read as strict JSON (no NaN or Infinity, no number that overflows to one); MalformedToolCall
+    when it cannot be, so that the arguments handed on are always JSON that any reader takes."""
     try:
-        return json.loads(value)
+        return json.loads(value, parse_constant=_no_constant, parse_float=_finite)
+    except MalformedToolCall as err:
+        raise MalformedToolCall(f"{what}: {err}") from None
     except json.JSONDecodeError as err:
         raise MalformedToolCall(f"{what} is not valid JSON: {value[:80]!r} ({err.msg})") from None
     except (ValueError, RecursionError) as err:  # past Python's int-digit limit or its recursion limit
@@ -340,6 +402,8 @@ def _parse_calls(items: list) -> list[dict]:
         name = attrs.get("tool")
         if not name:
             raise MalformedToolCall(f"call without a tool name: {_text(items[i - 3 : i])!r}")
+        if not name.strip() or not name.isprintable():
+            raise MalformedToolCall(f"blank or multi-line tool name {name[:80]!r}")
         arguments: dict = {}
         raw_json = None
         while True:
@@ -402,6 +466,8 @@ def _match(held: list, options) -> tuple[str, str | None]:
     return "no", None
 
 
+# The message key each text channel writes.
+_CHANNEL_KEYS = {"think": "reasoning_content", "response": "content"}
 # How much text of a tools section StreamParser gathers before lexing it.
 _TOOLS_BATCH = 1 << 14
 
@@ -423,6 +489,7 @@ class StreamParser:
 
     def __init__(self, thinking: bool = True, tokenizer=None):
         self._lexer = _TextLexer() if tokenizer is None else _IdLexer(tokenizer)
+        self._by_id = tokenizer is not None
         self._default = "think" if thinking else "response"
         self._state = "start"
         self._held: list = []  # items read ahead to tell a marker from text (a few)
@@ -432,7 +499,10 @@ class StreamParser:
         self._deferred_size = 0
         self._probe = ""  # the end of that text, to see a closing marker split over chunks
         self._ended = False
-        self._delta: dict = {}
+        # Text is kept as lists of pieces and joined when asked for: appending to a string copies it,
+        # which made a long channel quadratic.
+        self._text: dict[str, list[str]] = {"reasoning_content": [], "content": []}
+        self._delta: dict[str, list] = {}
         self._handlers = {
             "start": self._start,
             "header": self._header,
@@ -447,7 +517,7 @@ class StreamParser:
         }
         self._message = {
             "role": "assistant",
-            "reasoning_content": None,
+            "reasoning_content": None,  # "" once a think channel opens; the text is in self._text
             "content": "",
             "tool_calls": [],
             "finished": False,
@@ -462,6 +532,20 @@ class StreamParser:
         """Add generated text (or ids, with a tokenizer); return the delta it settled (possibly empty)."""
         if self._ended:
             return {}
+        if type(chunk) is not int and hasattr(chunk, "tolist"):
+            chunk = chunk.tolist()
+        if not self._held and (self._state in _CHANNEL_KEYS or (self._by_id and self._state == "tools")):
+            # Text alone, the usual chunk while generating: no item stream needed.
+            text = self._lexer.text_of(chunk)
+            if text is not None:
+                if not text:
+                    return {}
+                if self._state == "tools":
+                    self._section.append(text)
+                    return {}
+                key = _CHANNEL_KEYS[self._state]
+                self._text[key].append(text)
+                return {key: text}
         if self._state == "tools" and not self._held and isinstance(self._lexer, _TextLexer) and isinstance(chunk, str):
             # Inside a tools section nothing settles before it closes: lex many chunks in one pass.
             window = (self._probe if self._deferred else self._lexer._tail) + chunk
@@ -485,7 +569,13 @@ class StreamParser:
         """The parsed message (call after `finish`)."""
         if not self._ended:
             raise RuntimeError("call finish() before result()")
-        return {**self._message, "tool_calls": list(self._message["tool_calls"])}
+        reasoning = self._message["reasoning_content"]
+        return {
+            **self._message,
+            "reasoning_content": None if reasoning is None else "".join(self._text["reasoning_content"]),
+            "content": "".join(self._text["content"]),
+            "tool_calls": list(self._message["tool_calls"]),
+        }
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -506,7 +596,8 @@ class StreamParser:
                 pass
         if final:
             self._close()
-        delta, self._delta = self._delta, {}
+        delta = {key: value if key == "tool_calls" else "".join(value) for key, value in self._delta.items()}
+        self._delta = {}
         return delta
 
     def _close(self) -> None:
@@ -519,7 +610,7 @@ class StreamParser:
             self._emit("content", OPEN + _text(self._section))
             self._state = "raw"
         elif self._state == "tools":
-            self._malformed("the tools section is not closed", TOOLS_OPEN + _text(self._section))
+            self._end_tools(closed=False)
         if self._state in ("think", "response", "tools"):
             self._message["truncated"] = True
             self._message["warning"] = TRUNCATED_IN_REASONING if self._state == "think" else TRUNCATED
@@ -533,8 +624,19 @@ class StreamParser:
 
     def _emit(self, key: str, text: str) -> None:
         if text:
-            self._message[key] += text
-            self._delta[key] = self._delta.get(key, "") + text
+            self._text[key].append(text)
+            self._delta.setdefault(key, []).append(text)
+
+    def _think_was_the_answer(self) -> None:
+        """A think channel closed as the response or the message: what it held is the content.
+
+        Its text has already streamed as reasoning; it streams again as content, and the result has no
+        reasoning, as `parse` of the whole output gives.
+        """
+        text = "".join(self._text["reasoning_content"])
+        self._text["reasoning_content"] = []
+        self._message["reasoning_content"] = None
+        self._emit("content", text)
 
     def _malformed(self, error: str, raw: str) -> None:
         if not self._message["malformed"]:
@@ -573,29 +675,31 @@ class StreamParser:
             self._section.append(item)
         return True
 
-    def _channel(self, final: bool, name: str, key: str, next_state: str) -> bool:
+    def _channel(self, final: bool, name: str, key: str) -> bool:
         held = self._held
-        if held[0] is not M_CLOSE:
+        if isinstance(held[0], str) or held[0] is M_SEP:
             item = held.pop(0)
             self._emit(key, item if isinstance(item, str) else item.text)
             return True
-        verdict, _ = _match(held, ((M_CLOSE, name, next_state),))
+        verdict, state = _match(held, _CHANNEL_ENDS[name])
         if verdict == "yes":
+            if name == "think" and state in ("after_response", "done"):
+                self._think_was_the_answer()
             del held[:3]
-            self._state = next_state
+            self._state = state
             return True
         if verdict == "maybe":
-            if final:  # a closing marker cut off by the token limit is structure, not text
+            if final:  # a marker cut off by the token limit is structure, not text
                 held.clear()
             return False
         self._emit(key, held.pop(0).text)
         return True
 
     def _think(self, final: bool) -> bool:
-        return self._channel(final, "think", "reasoning_content", "after_think")
+        return self._channel(final, "think", "reasoning_content")
 
     def _response(self, final: bool) -> bool:
-        return self._channel(final, "response", "content", "after_response")
+        return self._channel(final, "response", "content")
 
     def _between(self, final: bool) -> bool:
         held = self._held
@@ -627,22 +731,38 @@ class StreamParser:
             self._section.append(held.pop(0))
             return True
         verdict, _ = _match(held, ((M_CLOSE, "tools", "after_tools"),))
-        if verdict == "maybe" and not final:
+        if verdict == "maybe":
+            if final:  # a closing marker cut off by the token limit is structure, not text
+                held.clear()
             return False
         if verdict != "yes":
             self._section.append(held.pop(0))
             return True
         del held[:3]
-        section, self._section, self._state = self._section, [], "after_tools"
+        self._end_tools(closed=True)
+        self._state = "after_tools"
+        return True
+
+    def _end_tools(self, closed: bool) -> None:
+        """Emit the calls of the tools section read so far, or the section as malformed content.
+
+        A section that was never closed (generation stopped after a call) still gives its calls when
+        it holds nothing but complete ones; `_close` flags the message truncated.
+        """
+        section, self._section = self._section, []
         try:
             calls = _parse_calls(section)
+            if not closed and not calls:
+                raise MalformedToolCall("no complete call")
         except MalformedToolCall as err:
-            self._malformed(f"malformed tool call: {err}", TOOLS_OPEN + _text(section) + TOOLS_CLOSE)
-            return True
+            if closed:
+                self._malformed(f"malformed tool call: {err}", TOOLS_OPEN + _text(section) + TOOLS_CLOSE)
+            else:
+                self._malformed(f"the tools section is not closed: {err}", TOOLS_OPEN + _text(section))
+            return
         start = len(self._message["tool_calls"])
         self._message["tool_calls"] += calls
         self._delta.setdefault("tool_calls", []).extend({"index": start + i, **call} for i, call in enumerate(calls))
-        return True
 
     def _done(self, final: bool) -> bool:
         held = self._held

@@ -109,6 +109,8 @@ def load_rank_file(path: str | Path) -> dict[bytes, int]:
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError as err:
             raise ValueError(f"{path}:{number}: expected 'base64-token rank', got {line[:80]!r}") from err
+    if not ranks:
+        raise ValueError(f"{path}: no BPE ranks (the file is empty): use the {VOCAB_FILE} of the Kimi K3 release")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: ranks must be unique and cover 0..{len(ranks) - 1} without gaps")
     return ranks
@@ -233,7 +235,11 @@ def chat_options(thinking=None, enable_thinking=None, thinking_effort=None, reas
 
     `thinking` wins over `enable_thinking` (default on); `reasoning_effort="none"` turns thinking
     off, any other `reasoning_effort` stands in for a missing `thinking_effort`; default "max".
+    The switches take only True, False or None: a string such as "no" would read as on.
     """
+    for name, value in (("thinking", thinking), ("enable_thinking", enable_thinking)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False (or None for the default, on), got {value!r}")
     if thinking is None:
         thinking = True if enable_thinking is None else enable_thinking
     if reasoning_effort == "none":
@@ -249,8 +255,35 @@ def chat_options(thinking=None, enable_thinking=None, thinking_effort=None, reas
     return bool(thinking), effort
 
 
-def _compact_json(value: Any) -> str:
+# What transformers hands a chat template in place of a set, bytes or complex value. A template cannot
+# tell these strings from the values, so both renderers refuse both, and agree on every input.
+_PLACEHOLDERS = frozenset(f"<{name}>" for name in ("set", "frozenset", "bytes", "bytearray", "complex"))
+
+
+def _check_json_data(value: Any, what: str) -> None:
+    """Refuse, naming `what`, a value that JSON cannot represent (or transformers' stand-in for one)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if item in _PLACEHOLDERS:
+                raise ValueError(
+                    f"{what} holds {item!r}, transformers' stand-in for a value JSON cannot represent: give JSON data"
+                )
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif item is not None and not isinstance(item, (bool, int, float)):
+            raise ValueError(
+                f"{what} holds a {type(item).__name__}, which JSON cannot represent: give a list, a string or a number"
+            )
+
+
+def _compact_json(value: Any, what: str) -> str:
     """Key-sorted (at every depth), compact, non-ASCII kept: how K3 writes schemas."""
+    _check_json_data(value, what)
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
 
@@ -374,6 +407,7 @@ def _assistant(out: _Segments, message: Mapping, thinking: bool) -> None:
             out.text(json_block)
             out.close("json")
         for key, value in arguments.items():
+            _check_json_data(value, f"tool call argument {key!r} of {function['name']!r}")
             out.open("argument", ("key", key), ("type", _xtml_type(value)))
             out.text(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
             out.close("argument")
@@ -389,7 +423,7 @@ def _tool_declaration(out: _Segments, tools: Any, dynamic: bool) -> None:
         )
     else:
         head = "# Tools\nHere are the available tools, described in JSONSchema.\n\n"
-    out.message([("role", "system"), ("type", "tool-declare")], f"{head}```json\n{_compact_json(tools)}\n```")
+    out.message([("role", "system"), ("type", "tool-declare")], f"{head}```json\n{_compact_json(tools, 'tools')}\n```")
 
 
 def _response_schema(response_format: Any) -> Any:
@@ -419,7 +453,7 @@ def _directives(out: _Segments, tool_choice: Any, response_format: Any, response
         schema = response_schema if response_schema is not None else _response_schema(response_format)
         body = (
             f"The system is invoked with `response_format=json_schema`.\n{no_markdown}\n"
-            f"The JSON data must match the following schema:\n```json\n{_compact_json(schema)}\n```"
+            f"The JSON data must match the following schema:\n```json\n{_compact_json(schema, 'response_schema')}\n```"
         )
         out.message([("role", "system"), ("type", "response-format")], body)
 
@@ -529,8 +563,9 @@ def render_chat(
         raise ValueError("cannot render an empty conversation")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot be used together")
-    if any(not isinstance(message, Mapping) for message in messages):
-        raise ValueError("every message must be a dict with a 'role'")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"message {index} is a {type(message).__name__}, not a dict with a 'role'")
     think, effort = chat_options(thinking, enable_thinking, thinking_effort, reasoning_effort)
     extras = (tool_choice, response_format, response_schema)
     if not continue_final_message:
@@ -736,6 +771,11 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         )
         return data.decode("utf-8", errors="replace")
 
+    def decode_bytes(self, token_ids, skip_special_tokens: bool = False) -> bytes:
+        """The UTF-8 bytes `decode` reads (before cleanup): a character may span ids, so streaming decodes these."""
+        ids = [token_ids] if isinstance(token_ids, int) else token_ids
+        return self._model.decode_bytes(self._kept_ids(ids, skip_special_tokens))
+
     def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs) -> str:
         ids = self._valid_ids([token_ids] if isinstance(token_ids, int) else token_ids)  # what the text carries
         kept = self._kept_ids(ids, skip_special_tokens, valid=True)
@@ -848,7 +888,10 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         )
         rendered = [
             render_chat(
-                [{k: v for k, v in message.items() if v is not None} for message in messages],
+                [
+                    {k: v for k, v in message.items() if v is not None} if isinstance(message, Mapping) else message
+                    for message in messages
+                ],
                 schemas,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

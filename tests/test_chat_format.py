@@ -314,3 +314,66 @@ def test_a_custom_template_is_rendered_as_text_only(tokenizer):
 
 def test_the_loaded_template_is_the_shipped_one(tokenizer):
     assert tokenizer.chat_template == TEMPLATE
+
+
+def _call_with(arguments):
+    return [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]},
+    ]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{1, 2}, frozenset({3}), b"xy", bytearray(b"z"), 1 + 2j, [1, {2}], {"k": [b"x"]}, "<set>", "<bytes>", ["<set>"]],
+    ids=repr,
+)
+def test_values_json_cannot_represent_are_refused_by_both_renderers(tokenizer, value):
+    """transformers hands a template '<set>' for a set: both renderers refuse the two alike, in one line."""
+    messages = _call_with({"a": value})
+    with pytest.raises(ValueError, match="JSON cannot represent") as err:
+        python(messages)
+    assert "\n" not in str(err.value) and "'a'" in str(err.value)
+    with pytest.raises(ValueError, match="JSON cannot represent"):
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    for render in JINJA.values():
+        with pytest.raises(TemplateError, match="JSON cannot represent"):
+            render(messages)
+
+
+def test_tool_schemas_json_cannot_represent_are_refused_by_both_renderers():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"enum": {1, 2}}}}]
+    messages = [{"role": "user", "content": "go"}]
+    with pytest.raises(ValueError, match="JSON cannot represent"):
+        python(messages, tools)
+    for render in JINJA.values():
+        with pytest.raises(TemplateError, match="JSON cannot represent"):
+            render(messages, tools)
+
+
+def test_a_message_that_is_not_a_dict_is_named(tokenizer):
+    messages = [{"role": "user", "content": "hi"}, "hello"]
+    with pytest.raises(ValueError, match=r"message 1 is a str, not a dict") as err:
+        python(messages)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"message 1 is a str, not a dict"):
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(ValueError, match=r"message 0 is a str, not a dict"):
+        tokenizer.apply_chat_template(["hello"])
+    with pytest.raises(TemplateError, match="message 1 is not a dict"):
+        plain_jinja(messages)
+
+
+@pytest.mark.parametrize("option", ["thinking", "enable_thinking"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, "True"])
+def test_thinking_must_be_a_boolean(tokenizer, option, value):
+    """thinking="no" is truthy: rather than guess, every renderer names the values it takes."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=f"{option} must be True or False") as err:
+        python(messages, **{option: value})
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=f"{option} must be True or False"):
+        tokenizer.apply_chat_template(messages, tokenize=False, **{option: value})
+    for render in JINJA.values():
+        with pytest.raises(TemplateError, match=f"{option} must be True or False"):
+            render(messages, **{option: value})

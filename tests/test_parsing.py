@@ -517,3 +517,173 @@ def test_random_marker_soup_streams_like_parse(tok):
         ids = _as_generated(tok, text)
         streamed, _ = _stream_ids(tok, ids, thinking, [rng.randint(1, 4) for _ in ids])
         assert streamed == parse(ids, tokenizer=tok, thinking=thinking)
+
+
+# -- streamed ids decode exactly as parse() does -----------------------------------------------
+
+
+def _texts_with_replacement_characters():
+    rng = random.Random(46)
+    yield "real U+FFFD", "a\ufffd\ufffd\ufffd\ufffd世界 b"
+    yield "random bytes", bytes(rng.randrange(256) for _ in range(3000)).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("size", [1, 7, 4096])
+def test_streamed_ids_equal_parse_with_replacement_characters(tok, size):
+    """Real U+FFFD in the text, and ids whose bytes are not UTF-8, stream back exactly as parse() reads them."""
+    rng = random.Random(size)
+    runs = [tok.encode_ordinary(text) for _, text in _texts_with_replacement_characters()]
+    runs.append([rng.randrange(tok.num_ranks) for _ in range(3000)])  # broken UTF-8 between and inside ids
+    for run in runs:
+        for ids in (run, run + [tok.special_ids["<|close|>"]] + tok.encode_ordinary("think") + _as_generated(tok, "<|sep|><|open|>response<|sep|>") + run):
+            whole = parse(ids, tokenizer=tok, thinking=True)
+            result, seen = _stream_ids(tok, ids, True, [size] * (len(ids) // size + 1))
+            assert result == whole
+            assert (seen["reasoning_content"], seen["content"]) == (whole["reasoning_content"], whole["content"])
+    result, _ = _stream_ids(tok, runs[0], True, [1] * len(runs[0]))
+    assert result["reasoning_content"] == "a\ufffd\ufffd\ufffd\ufffd世界 b"
+
+
+# -- streaming time is linear in the output in every channel -----------------------------------
+
+
+def _channel_text(channel, size):
+    """Generated text of about `size` characters in one channel (reasoning, content or tools)."""
+    line = "if a[i] < b and s != '<|': out.append(f'{x!r} -> [{j}]')  # naïve 你好\n"
+    body = (line * (size // len(line) + 1))[:size]
+    if channel == "reasoning":
+        return body + "<|close|>think<|sep|><|open|>response<|sep|>ok<|close|>response<|sep|>" + END
+    if channel == "content":
+        return "r<|close|>think<|sep|><|open|>response<|sep|>" + body + "<|close|>response<|sep|>" + END
+    return _call_section(f'<|open|>argument key="src" type="string"<|sep|>{body}<|close|>argument<|sep|>')
+
+
+def _stream_seconds(feed_all):
+    import time
+
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        feed_all()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@pytest.mark.parametrize("channel", ["reasoning", "content", "tools"])
+def test_streaming_time_is_linear_in_every_channel(tok, channel):
+    """Four times the output in 64-character (or 16-id) chunks takes about four times as long, never 16."""
+
+    def text_stream(text):
+        def run():
+            parser = StreamParser()
+            for start in range(0, len(text), 64):
+                parser.feed(text[start : start + 64])
+            parser.finish()
+
+        return run
+
+    def id_stream(ids):
+        def run():
+            parser = StreamParser(tokenizer=tok)
+            for start in range(0, len(ids), 16):
+                parser.feed(ids[start : start + 16])
+            parser.finish()
+
+        return run
+
+    small, large = _channel_text(channel, 1 << 19), _channel_text(channel, 1 << 21)
+    ratio = _stream_seconds(text_stream(large)) / _stream_seconds(text_stream(small))
+    assert ratio < 8, f"text: 4x the {channel} took {ratio:.1f}x the time"
+    small_ids, large_ids = _as_generated(tok, small[: 1 << 18]), _as_generated(tok, large[: 1 << 20])
+    ratio = _stream_seconds(id_stream(large_ids)) / _stream_seconds(id_stream(small_ids))
+    assert ratio < 8, f"ids: 4x the {channel} took {ratio:.1f}x the time"
+
+
+# -- outputs models write and engines lose ------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "[1, NaN]", '{"a": Infinity}'])
+def test_arguments_that_are_not_strict_json_are_malformed(tok, value):
+    kind = "number" if value[0] not in "[{" else ("array" if value[0] == "[" else "object")
+    for element in (
+        f'<|open|>argument key="v" type="{kind}"<|sep|>{value}<|close|>argument<|sep|>',
+        f'<|open|>json type="object"<|sep|>{{"v": {value}}}<|close|>json<|sep|>',
+    ):
+        text = _call_section(element)
+        parsed = _check_stream_equals_parse(text, True)
+        assert parsed["malformed"] and parsed["tool_calls"] == [] and value in parsed["content"]
+        assert parse(_as_generated(tok, text), tokenizer=tok) == parsed
+
+
+@pytest.mark.parametrize("name", ["", " ", "\t", "run\nshell", "run_shell\n", "a\r\nb"])
+def test_blank_or_multiline_tool_names_are_malformed(name):
+    text = A + f'<|open|>tools<|sep|><|open|>call tool="{name}" index="1"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END
+    parsed = _check_stream_equals_parse(text, True)
+    assert parsed["malformed"] and parsed["tool_calls"] == [] and f'tool="{name}"' in parsed["content"]
+
+
+def test_integer_is_a_json_schema_type():
+    text = _call_section(
+        '<|open|>argument key="n" type="integer"<|sep|>42<|close|>argument<|sep|>'
+        '<|open|>argument key="m" type="integer"<|sep|>-7<|close|>argument<|sep|>'
+    )
+    parsed = _check_stream_equals_parse(text, True)
+    assert not parsed["malformed"], parsed["error"]
+    assert json.loads(parsed["tool_calls"][0]["function"]["arguments"]) == {"n": 42, "m": -7}
+    for value in ("4.5", '"4"', "true", "null"):
+        bad = _call_section(f'<|open|>argument key="n" type="integer"<|sep|>{value}<|close|>argument<|sep|>')
+        assert parse(bad)["malformed"], value
+
+
+UNCLOSED = A + "<|open|>tools<|sep|>" + CALL + '<|open|>argument key="a" type="string"<|sep|>x<|close|>argument<|sep|><|close|>call<|sep|>'
+
+
+@pytest.mark.parametrize("ending", ["", "<|end_of_msg|>", "[EOT]"])
+def test_a_complete_call_in_an_unclosed_tools_section_is_kept(tok, ending):
+    parsed = _check_stream_equals_parse(UNCLOSED + ending, True)
+    assert [c["function"] for c in parsed["tool_calls"]] == [{"name": "f", "arguments": '{"a": "x"}'}]
+    assert parsed["truncated"] and parsed["warning"] == TRUNCATED and not parsed["finished"]
+    assert not parsed["malformed"] and parsed["content"] == "Sure."
+    assert _check_ids_stream_equals_parse(tok, _as_generated(tok, UNCLOSED + ending), True) == parsed
+
+
+TOOLS = (
+    '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="a" type="string"<|sep|>x'
+    "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"
+)
+
+
+@pytest.mark.parametrize("thinking", [True, None])
+def test_a_call_without_the_think_to_response_marker_is_returned(tok, thinking):
+    """The model goes from thinking straight to its tools section (or to its answer) without closing think."""
+    for text in ("Let me call f." + TOOLS + END, "Let me call f.<|close|>think<|sep|>" + TOOLS + END):
+        parsed = parse(text, thinking=thinking)
+        assert [c["function"]["name"] for c in parsed["tool_calls"]] == ["f"], text
+        assert "Let me call f." in (parsed["reasoning_content"] or "") + parsed["content"]
+        assert not parsed["malformed"] and parsed["finished"]
+        if thinking:
+            assert (parsed["reasoning_content"], parsed["content"]) == ("Let me call f.", "")
+            assert _check_stream_equals_parse(text, True) == parsed
+            assert _check_ids_stream_equals_parse(tok, _as_generated(tok, text), True) == parsed
+    if thinking:
+        answer = _check_stream_equals_parse("Thought.<|open|>response<|sep|>Answer.<|close|>response<|sep|>" + END, True)
+        assert (answer["reasoning_content"], answer["content"], answer["finished"]) == ("Thought.", "Answer.", True)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello there.<|close|>response<|sep|>" + END,
+        "Hello there.<|close|>response<|sep|>" + TOOLS + END,
+        "Hello there." + END,
+    ],
+)
+def test_an_answer_without_a_think_channel_is_content(tok, text):
+    """With thinking on the model may still answer at once: what it wrote is the content, not reasoning."""
+    for parsed in (parse(text, thinking=True), parse(_as_generated(tok, text), tokenizer=tok, thinking=True)):
+        assert (parsed["reasoning_content"], parsed["content"]) == (None, "Hello there."), text
+        assert not parsed["malformed"] and parsed["finished"]
+    parser = StreamParser(thinking=True)
+    deltas = [parser.feed(text[i : i + 5]) for i in range(0, len(text), 5)] + [parser.finish()]
+    assert parser.result() == parse(text, thinking=True)
+    assert "".join(d.get("content", "") for d in deltas) == "Hello there.", "the answer reaches content deltas too"

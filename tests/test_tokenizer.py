@@ -190,3 +190,18 @@ def test_root_tokenizer_config_is_generated():
     assert shipped == k3.tokenizer_config(163584)
     assert shipped["added_tokens_decoder"]["163586"]["content"] == "<|end_of_msg|>"
     assert shipped["added_tokens_decoder"]["163839"]["content"] == "[PAD]"
+
+
+def test_an_empty_rank_file_is_named_in_one_line(tmp_path):
+    """Not a traceback about [BOS]: the message names the file and says what is wrong with it."""
+    directory = k3.write_tokenizer_files(tmp_path / "tok", RANK_FILE)
+    (directory / k3.VOCAB_FILE).write_bytes(b"")
+    for load in (
+        lambda: k3.load_rank_file(directory / k3.VOCAB_FILE),
+        lambda: k3.KimiK3Tokenizer(str(directory / k3.VOCAB_FILE)),
+        lambda: AutoTokenizer.from_pretrained(directory, trust_remote_code=True),
+    ):
+        with pytest.raises(ValueError, match="no BPE ranks") as err:
+            load()
+        message = str(err.value)
+        assert str(directory / k3.VOCAB_FILE) in message and "\n" not in message and "[BOS]" not in message
