@@ -1,7 +1,8 @@
 """Generate with a Kimi K3 checkpoint through `pipeline("text-generation", trust_remote_code=True)`.
 
 Without `--model` it runs the small trained demo that ships in `demo/`. With `--chat` the prompt becomes a user
-message rendered with the K3 chat template, and the reply is split into reasoning and content.
+message rendered with the K3 chat template, and the reply is split into reasoning and content. Without it, a blank
+prompt is refused: there is nothing to complete.
 """
 
 import os
@@ -169,6 +170,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.no_thinking and not args.chat:
         parser.error("--no-thinking only applies with --chat")
+    if not args.chat and not args.prompt.strip():
+        parser.error("--prompt is empty: give the start of the text to complete")
     try:
         pipe = load_pipeline(args.model, args.device_map)
     except (OSError, ValueError) as e:

@@ -17,7 +17,10 @@ Saliency report (written by `observe`), JSON:
      "layers": {"<i>": {"count": [E], "reap_sum": [E], "ean_sum": [E], "max_norm": [E]}, ...}}
 
 A report whose progress.complete is false (an interrupted observe) is refused unless
---allow-incomplete; extra keys are ignored.
+--allow-incomplete; extra keys are ignored. A malformed report (a layer that is null, a count that is not a
+number) is refused in one line naming the key. Infinite entries, and layers where every expert scores 0 by the
+criterion, still plan, with a warning on stderr: the first rank above everything else, the second keep their lowest
+expert ids, and neither is a saliency ranking.
 
 per MoE layer i and expert j: count = tokens routed to j (padding excluded), reap_sum = sum over
 those tokens of g_j(x)·||f_j(x)||₂ (g the renormalised sigmoid weight the model applies, f the
@@ -92,6 +95,10 @@ def report_experts(report: dict) -> dict[int, int]:
     return {i: int(per_layer[i]) if per_layer else int(model["num_experts"]) for i in model["moe_layers"]}
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def validate_report(report: dict, *, allow_incomplete: bool = False) -> None:
     if not isinstance(report, dict):
         raise PlanError("report is not a JSON object")
@@ -109,10 +116,20 @@ def validate_report(report: dict, *, allow_incomplete: bool = False) -> None:
             raise PlanError(f"report model block lacks {key!r}")
     if not isinstance(report.get("layers"), dict):
         raise PlanError("report has no 'layers' object")
+    for key in ("num_hidden_layers", "num_experts", "num_experts_per_token"):
+        if not _is_count(model[key]):
+            raise PlanError(f"report model {key!r} must be a whole number >= 0, got {model[key]!r}")
+    moe_layers = model["moe_layers"]
+    if not isinstance(moe_layers, list) or not all(_is_count(i) for i in moe_layers):
+        raise PlanError(f"report model 'moe_layers' must be a list of layer numbers, got {moe_layers!r}")
     per_layer = model.get("num_experts_per_layer")
+    if per_layer is not None and (not isinstance(per_layer, list) or not all(_is_count(n) for n in per_layer)):
+        raise PlanError(f"report model 'num_experts_per_layer' must be a list of whole numbers, got {per_layer!r}")
     if per_layer is not None and len(per_layer) != int(model["num_hidden_layers"]):
         raise PlanError(f"report num_experts_per_layer has {len(per_layer)} entries, "
                         f"num_hidden_layers is {model['num_hidden_layers']}")
+    if per_layer and max(moe_layers, default=0) >= len(per_layer):
+        raise PlanError(f"report moe_layers {moe_layers} go past num_experts_per_layer ({len(per_layer)} entries)")
     counts = report_experts(report)
     try:
         have = {int(k) for k in report["layers"]}
@@ -122,12 +139,32 @@ def validate_report(report: dict, *, allow_incomplete: bool = False) -> None:
         raise PlanError(f"report layers {sorted(have)} != its model's moe_layers {sorted(counts)}")
     for i, n in counts.items():
         stats = report["layers"][str(i)]
+        if not isinstance(stats, dict):
+            raise PlanError(f"report layer {i}: expected an object with {', '.join(FIELDS)}, got {stats!r:.40}")
         for key in FIELDS:
             values = stats.get(key)
             if not isinstance(values, list) or len(values) != n:
                 raise PlanError(f"report layer {i}: {key!r} must be a list of {n} numbers")
             if any(not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v for v in values):
                 raise PlanError(f"report layer {i}: {key!r} has negative, NaN or non-numeric entries")
+
+
+def report_warnings(report: dict, criterion: str) -> list[str]:
+    """What makes a validated report a poor basis for a plan, though one can be made: infinite entries (they rank
+    above everything), and layers where every expert scores 0 by `criterion` (they keep their lowest ids)."""
+    warnings = []
+    for i in sorted(report_experts(report)):
+        for key in FIELDS:
+            inf = [j for j, v in enumerate(report["layers"][str(i)][key]) if v == float("inf")]
+            if inf:
+                warnings.append(f"report layer {i}: {key!r} is infinite for experts {inf[:8]}"
+                                f"{' ...' if len(inf) > 8 else ''} (an overflow in observe?); they rank first")
+    if criterion != "random":
+        zero = [i for i, s in sorted(expert_scores(report, criterion).items()) if not np.any(s)]
+        if zero:
+            warnings.append(f"every expert of layers {zero} scores 0 by {criterion} (nothing was routed to them?): "
+                            f"those layers keep the lowest expert ids")
+    return warnings
 
 
 def check_report_matches(report: dict, config: dict) -> None:
@@ -226,7 +263,9 @@ def plan_selection(report: dict, *, num_experts: int | None = None, budget: int 
         candidates = []
         for i in experts:
             mean = scores[i].mean()
-            normed = scores[i] / mean if mean > 0 else np.zeros_like(scores[i])
+            with np.errstate(invalid="ignore"):
+                normed = scores[i] / mean if mean > 0 else np.zeros_like(scores[i])
+            normed = np.where(np.isinf(scores[i]), np.inf, np.nan_to_num(normed, nan=0.0))
             taken = set(kept[i])
             candidates += [(-normed[j], i, j) for j in range(experts[i]) if j not in taken]
         for _, i, j in sorted(candidates)[:budget - lowest]:
@@ -266,7 +305,8 @@ def write_heatmap(report: dict, selection: dict, path: str | Path, seed: int = 0
     kept = np.zeros((len(layers), width), dtype=bool)
     for r, i in enumerate(layers):
         s = scores[i]
-        rel = s / s.max() if s.max() > 0 else np.zeros_like(s)
+        finite = np.where(np.isinf(s), 0.0, s)
+        rel = np.where(np.isinf(s), 1.0, finite / finite.max() if finite.max() > 0 else 0.0)
         grid[r, :len(s)] = 1 + np.log10(np.maximum(rel, lo)) / HEATMAP_DECADES
         kept[r, selection["layers"][str(i)]] = True
     cmap = plt.get_cmap("viridis")
@@ -328,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--heatmap {heatmap} is the selection output; choose another path")
     try:
         report = load_report(args.report, allow_incomplete=args.allow_incomplete)
+        for warning in report_warnings(report, args.criterion):
+            print(f"plan: warning: {warning}", file=sys.stderr)
         if args.checkpoint is not None:
             check_report_matches(report, read_config(args.checkpoint))
         selection = plan_selection(report, num_experts=args.num_experts, budget=args.budget,

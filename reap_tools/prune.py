@@ -8,8 +8,13 @@ Kept experts keep ascending original order and are renumbered 0..N-1 per layer; 
 other tensor is copied unchanged. The output gets new shards + model.safetensors.index.json, a
 config.json with `num_experts` (the max count) and, for non-uniform selections,
 `num_experts_per_layer` (0 for dense layers), the source's other release files (tokenizer, README, licence: the
-allow-list in release_files.py; dotfiles, folders and links out of the folder are never copied, and what was left
-out is listed on stderr), this package's remote code and the selection itself as reap_selection.json.
+allow-list in release_files.py, read through links to files of their own name or to the hub cache's blobs;
+dotfiles, folders, loops and links to files of other names are never copied, and what was left out is listed on
+stderr), this package's remote code and the selection itself as reap_selection.json.
+
+The output must load: a source without a file AutoTokenizer or AutoModelForCausalLM needs (tokenizer_config.json,
+tiktoken.model, generation_config.json: `release_files.load_problems`) is refused before anything is written, and
+the finished output is checked the same way before it is published. An output folder inside the source is refused.
 
 Why raw byte ranges: bit-exactness by construction, kernel-side copies (copy_file_range) at disk
 speed, and a peak memory of headers only — not one tensor, not one shard. The output is written to
@@ -36,7 +41,7 @@ from .checkpoint import (
 )
 from .cli import ArgumentParser, fail
 from .model_config import model_text_config
-from .release_files import release_files
+from .release_files import LOAD_FILES, load_problems, release_files
 from .remote_code import REMOTE_CODE, copy_remote_code
 
 DEFAULT_MAX_SHARD = "5GB"
@@ -217,14 +222,15 @@ def _write_shard(path: Path, tensors: list[OutTensor], src_fds: dict[Path, int],
         os.close(fd)
 
 
-def _copy_other_files(src: Path, dst: Path) -> list[tuple[str, str]]:
+def _copy_other_files(src: Path, dst: Path, files: tuple[list[Path], list[tuple[str, str]]]) -> list[tuple[str, str]]:
     """Copy the source's release files (release_files) that prune does not write itself; return what was left out.
 
     Shards, index, config and selection are written fresh; a .safetensors file the index does not name is left out.
     The remote-code files are this package's own (`remote_code.copy_remote_code`): the pruned checkpoint runs the
     code that wrote it, whatever the source carried (a copy, a link into this repository, an older version).
+    `files` is release_files(src).
     """
-    taken, skipped = release_files(src)
+    taken, skipped = files[0], list(files[1])
     shard_files = set(shard_names(src))
     for p in taken:
         if p.name in shard_files or p.name in WRITTEN_NAMES or p.name in REMOTE_CODE:
@@ -237,10 +243,26 @@ def _copy_other_files(src: Path, dst: Path) -> list[tuple[str, str]]:
     return [(name, why) for name, why in skipped if name not in REMOTE_CODE]
 
 
+def _not_loadable(problems: list[tuple[str, str]], skipped: list[tuple[str, str]]) -> CheckpointError:
+    """One error naming each file the output would lack, and why the source's copy was not taken."""
+    reasons = dict(skipped)
+    parts = [f"{name}: {f'not copied from the source ({reasons[name]})' if name in reasons else problem}"
+             for name, problem in problems]
+    return CheckpointError("the output would not load: " + "; ".join(parts))
+
+
+def _check_output_outside(src: Path, dst: Path) -> None:
+    """Refuse an output inside the source (links resolved): the next prune of that source would copy it along."""
+    real_src, real_dst = Path(os.path.realpath(src)), Path(os.path.realpath(dst))
+    if real_dst.is_relative_to(real_src):
+        raise ValueError(f"output {dst} is inside the source {src}; choose an output folder outside it")
+
+
 def prune_checkpoint(src_dir: str | Path, selection: str | Path | dict, dst_dir: str | Path, *,
                      max_shard_size: int | str = DEFAULT_MAX_SHARD, progress: bool = True) -> PruneResult:
     """Write the pruned copy of src_dir to dst_dir (which must not exist) and return what was written."""
     src, dst = Path(src_dir), Path(dst_dir)
+    _check_output_outside(src, dst)
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new output dir or remove it")
     selection = load_selection(selection)
@@ -248,6 +270,11 @@ def prune_checkpoint(src_dir: str | Path, selection: str | Path | dict, dst_dir:
     tensors = load_tensors(src)
     moe = scan_moe(tensors)
     kept = validate_selection(selection, config, moe)
+    files = release_files(src)
+    taken = {p.name for p in files[0]}
+    missing = [(name, "missing in the source") for name in LOAD_FILES if name != CONFIG_NAME and name not in taken]
+    if missing:
+        raise _not_loadable(missing, files[1])
     selection["layers"] = {str(i): ids for i, ids in sorted(kept.items())}
     max_shard_size = parse_size(max_shard_size)
     if max_shard_size <= 0:
@@ -269,7 +296,10 @@ def prune_checkpoint(src_dir: str | Path, selection: str | Path | dict, dst_dir:
                                                                     for t in shard))})
             write_json(tmp / CONFIG_NAME, pruned_config(config, kept))
             write_json(tmp / SELECTION_NAME, selection)
-            skipped = _copy_other_files(src, tmp)
+            skipped = _copy_other_files(src, tmp, files)
+            problems = load_problems(tmp)
+            if problems:
+                raise _not_loadable(problems, skipped)
     finally:
         for fd in src_fds.values():
             os.close(fd)

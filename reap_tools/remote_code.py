@@ -19,6 +19,12 @@ MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "kimi_k3_dispat
               "tensor_parallel.py")
 TOKENIZER_CODE = ("tokenization_kimi_k3.py", "kimi_k3_parsing.py")
 REMOTE_CODE = MODEL_CODE + TOKENIZER_CODE
+# config.json's auto_map: the classes the model's Auto* loaders take from MODEL_CODE.
+AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModel": "modeling_kimi_k3.KimiK3Model",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+}
 
 
 def copy_remote_code(dst: str | os.PathLike, names=REMOTE_CODE) -> list[str]:

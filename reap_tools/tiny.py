@@ -1,7 +1,9 @@
 """Tiny random Kimi K3 checkpoints in the release layout, for tests, benchmarks and first runs.
 
-`write_checkpoint(dst, ...)` saves a model with `save_pretrained` and puts the remote-code files and `auto_map`
-beside it, so `AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True)` loads it like the real release.
+`write_checkpoint(dst, ...)` saves a model with `save_pretrained` and puts the remote-code files, `auto_map` and a
+byte-level tokenizer (256 ranks, then the 256 reserved ids: 512, the tiny vocabulary) beside it, so
+`AutoModelForCausalLM` and `AutoTokenizer.from_pretrained(dst, trust_remote_code=True)` load it like the real
+release.
 """
 
 import os
@@ -20,13 +22,8 @@ from mxfp4 import mxfp4_quantization_config
 from reap_tools.checkpoint import CONFIG_NAME, INDEX_NAME, load_tensors, read_json, write_json
 from reap_tools.cli import ArgumentParser, fail
 from reap_tools.release_layout import tiny_vision_config, to_release_layout, vision_tensors
-from reap_tools.remote_code import MODEL_CODE, copy_remote_code
-
-AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-    "AutoModel": "modeling_kimi_k3.KimiK3Model",
-    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
-}
+from reap_tools.remote_code import AUTO_MAP, MODEL_CODE, copy_remote_code
+from tokenization_kimi_k3 import VOCAB_FILE, write_rank_file, write_tokenizer_files
 
 
 def tiny_text_config(**overrides):
@@ -110,6 +107,8 @@ def write_checkpoint(dst, model=None, packed=True, seed=0, max_shard_size=None, 
         if vision:
             _add_vision_shard(tmp, vision_tensors(vision_config, seed))
         copy_model_code(tmp)
+        write_rank_file({bytes([b]): b for b in range(256)}, os.path.join(tmp, VOCAB_FILE))
+        write_tokenizer_files(tmp, os.path.join(tmp, VOCAB_FILE))
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,12 +3,16 @@
     python -m reap_tools upload DIR REPO_ID [--source SRC_DIR] [--private] [--revision BRANCH]
         [--message "..."] [--method auto|large|folder] [--dry-run]
 
-`verify` runs first (with sha256 checks against --source when given); a folder that fails it, a
+REPO_ID must be a Hub repo id, `namespace/name` by huggingface_hub's rules (letters, digits, `-`, `_`, `.`; no
+`--` or `..`; not ending in `.git`; the name at most 96 characters), checked before anything else, --dry-run
+included. `verify` runs first (with sha256 checks against --source when given); a folder that fails it, a
 half-written `.<name>.partial-<pid>` folder or one without config.json / weights is refused, so
 only complete checkpoints reach the Hub. Only the release files go (the allow-list in release_files.py:
 weights, index, configs, tokenizer, chat template, top-level remote code, README, licence,
-reap_selection.json); dotfiles such as `.env` or `.git`, folders and symlinks out of the folder never do,
-and what is left out is listed on stderr. The token comes from `huggingface-cli login` or HF_TOKEN.
+reap_selection.json, read through links as release_files.py says); dotfiles such as `.env` or `.git`, folders,
+symlink loops and links to files of other names out of the folder never do, and what is left out is listed on
+stderr. A folder whose release files would not load (a file AutoTokenizer or AutoModelForCausalLM needs is left
+out) is refused naming it. The token comes from `huggingface-cli login` or HF_TOKEN.
 
 How (`--method`, default auto): folders of LARGE_FOLDER_BYTES or more (the 629 GB release) go through
 huggingface_hub's resumable `upload_large_folder` (several commits; rerun the same command to resume an
@@ -25,13 +29,14 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import CONFIG_NAME, INDEX_NAME, PARTIAL_RE, human, shard_names
 from .cli import ArgumentParser, fail
-from .release_files import release_files
+from .release_files import load_problems, release_files
 from .verify import verify_checkpoint
 
 
@@ -39,6 +44,9 @@ from .verify import verify_checkpoint
 LARGE_FOLDER_BYTES = 20 * 2**30
 METHODS = ("auto", "large", "folder")
 STAGING = Path(".cache") / "reap_tools-upload"  # inside the checkpoint folder; a dotted folder, never uploaded
+# One part of a repo id, as huggingface_hub's validate_repo_id: word characters, '-' and '.', not at either end.
+REPO_PART_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+MAX_REPO_NAME = 96
 
 
 class UploadRefused(RuntimeError):
@@ -57,6 +65,16 @@ class UploadResult:
     @property
     def total_size(self) -> int:
         return sum(size for _, size in self.files)
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Refuse anything but `namespace/name` by huggingface_hub's repo id rules (a path such as `../../etc` too)."""
+    namespace, _, name = repo_id.partition("/")
+    if not (REPO_PART_RE.fullmatch(namespace) and REPO_PART_RE.fullmatch(name) and len(name) <= MAX_REPO_NAME
+            and "--" not in repo_id and ".." not in repo_id and not repo_id.endswith(".git")):
+        raise UploadRefused(f"repo id {repo_id!r} is not a Hub model repo id: give namespace/name (letters, digits, "
+                            f"'-', '_', '.'; no '--' or '..'; not ending in '.git'; a name of at most "
+                            f"{MAX_REPO_NAME} characters)")
 
 
 def upload_files(folder: Path) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
@@ -122,6 +140,7 @@ def upload_checkpoint(folder: str | Path, repo_id: str, *, source: str | Path | 
     `api` is an HfApi-like object (tests pass a mock); by default huggingface_hub.HfApi(). `method`:
     "auto" (upload_large_folder from LARGE_FOLDER_BYTES on), "large" or "folder" (one upload_folder commit).
     """
+    check_repo_id(repo_id)
     folder = Path(folder)
     if PARTIAL_RE.match(folder.name):
         raise UploadRefused(f"{folder} is an unfinished prune output (temporary folder); rerun the prune")
@@ -133,8 +152,9 @@ def upload_checkpoint(folder: str | Path, repo_id: str, *, source: str | Path | 
     files, skipped = upload_files(folder)
     needed = {CONFIG_NAME, *shard_names(folder)} | ({INDEX_NAME} if (folder / INDEX_NAME).exists() else set())
     left_out = sorted(needed - {name for name, _ in files})
+    reasons = dict(skipped)
+    left_out += [name for name, _ in load_problems(folder, only={name for name, _ in files}) if name not in left_out]
     if left_out:
-        reasons = dict(skipped)
         raise UploadRefused("the checkpoint needs files that are not uploaded: "
                             + ", ".join(f"{name} ({reasons.get(name, 'not a release file')})" for name in left_out))
     chosen = choose_method(api, sum(size for _, size in files), method)

@@ -12,6 +12,10 @@ exactly experts 0..E-1 with w1/w3 [I, L] and w2 [L, I] as (weight_packed U8 [out
 weight_scale U8 [out, in/group]) under MXFP4, else (weight [out, in]), E per layer from
 num_experts / num_experts_per_layer.
 
+Files: everything AutoTokenizer and AutoModelForCausalLM (trust_remote_code) need is there and usable
+(`release_files.load_problems`): config.json's auto_map and the modules it names with their relative imports,
+tokenizer_config.json's auto_map and its modules, tiktoken.model and generation_config.json.
+
 Source (optional): with the selection (the embedded reap_selection.json unless given), the
 sha256 of every kept expert tensor equals the source expert's, gate rows / bias equal the sliced
 source, and every other tensor equals the source tensor of the same name.
@@ -36,12 +40,14 @@ from .checkpoint import (
     experts_per_layer, human, load_tensors, quantization_config, read_config, read_header,
     read_index, scan_moe, sha256_ranges, text_config,
 )
+from kimi_k3_loading import FLOAT_DTYPES, check_structure as check_against_config, read_safetensors_headers
+
 from .cli import ArgumentParser, describe, int_at_least
 from .model_config import model_text_config
 from .prune import SelectionError, load_selection, validate_selection
+from .release_files import load_problems
 
 PRINT_ERRORS = 50
-FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 
 
 @dataclass
@@ -218,6 +224,28 @@ def check_config(path: Path, tensors: dict[str, TensorInfo], errors: list[str], 
     return config
 
 
+def check_model_structure(path: Path, errors: list[str]) -> bool:
+    """The loader's own structural pass (`kimi_k3_loading.check_structure`: config sizes against the shard
+    headers, its dtype rule, a sample of the MXFP4 scales for NaN), so that verify passes nothing the loader
+    refuses; its cost follows the headers, so a config claiming 10^7 experts fails here before the per-expert
+    checks. False where it found a problem (a config the model refuses is `check_config`'s to name)."""
+    try:
+        text = model_text_config(read_config(path))
+    except CheckpointError:
+        return True
+    try:
+        check_against_config(path, text, read_safetensors_headers(path))
+    except (ValueError, OSError) as e:
+        errors.append(str(e))
+        return False
+    return True
+
+
+def check_loader_files(path: Path, errors: list[str]) -> None:
+    """Each file the loaders need from `path` and could not use, named (see release_files.load_problems)."""
+    errors.extend(f"{name}: {problem}" for name, problem in load_problems(path))
+
+
 def check_against_source(path: Path, tensors: dict[str, TensorInfo], config: dict, source: Path,
                          selection: str | Path | dict | None, workers: int, progress: bool,
                          errors: list[str], stats: dict) -> None:
@@ -287,7 +315,11 @@ def verify_checkpoint(path: str | Path, *, source: str | Path | None = None, sel
         result.errors.append(f"{path}: not a directory")
         return result
     tensors = check_structure(result.path, result.errors, result.stats)
-    config = check_config(result.path, tensors, result.errors, result.stats) if tensors else None
+    shards_ok = bool(tensors) and not result.errors
+    check_loader_files(result.path, result.errors)
+    config = None
+    if tensors and (not shards_ok or check_model_structure(result.path, result.errors)):
+        config = check_config(result.path, tensors, result.errors, result.stats)
     embedded = result.path / SELECTION_NAME
     if config is not None and source is None and (selection is not None or embedded.exists()):
         try:

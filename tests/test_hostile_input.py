@@ -50,6 +50,7 @@ def littered(src, tmp_path) -> Path:
     (path / ".env").write_text("HF_TOKEN=hf_secret\n")
     (path / "README.md").symlink_to(outside)
     (path / "LICENSE").write_text("licence")
+    (path / "generation_config.json").unlink()
     (path / "generation_config.json").symlink_to("tokenizer_config.json")
     (path / "train_log.json").write_text("{}")
     return path
@@ -279,3 +280,12 @@ def test_generate_warns_when_the_prompt_passes_max_position_embeddings(tmp_path,
     finally:
         torch.set_num_threads(threads)
     assert "passes the model's max_position_embeddings = 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompt", ["", "\n"])
+def test_generate_refuses_an_empty_prompt(prompt, capsys):
+    with pytest.raises(SystemExit) as info:
+        generate.main(["--prompt", prompt, "--max-new-tokens", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prompt is empty" in err

@@ -189,3 +189,52 @@ def test_incomplete_or_foreign_report(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(report))
     with pytest.raises(PlanError, match="format"):
         load_report(tmp_path / "r.json", allow_incomplete=True)
+
+
+def run_plan(tmp_path, report, *flags):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    return subprocess.run([sys.executable, "-m", "reap_tools", "plan", str(path), "-n", "4", "--no-heatmap",
+                           "-o", str(tmp_path / "sel.json"), *flags], cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["layers"].__setitem__("2", None), "report layer 2: expected an object"),
+    (lambda r: r["layers"].__setitem__("2", [1, 2]), "report layer 2: expected an object"),
+    (lambda r: r["model"].__setitem__("num_experts", None), "num_experts"),
+    (lambda r: r["model"].__setitem__("moe_layers", None), "moe_layers"),
+    (lambda r: r["model"].__setitem__("moe_layers", ["x"]), "moe_layers"),
+])
+def test_malformed_report_is_one_line(tmp_path, edit, message):
+    report = make_report()
+    edit(report)
+    run = run_plan(tmp_path, report)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("plan: error: ") and message in run.stderr
+    assert not (tmp_path / "sel.json").exists()
+
+
+def test_infinite_saliency_plans_with_a_warning(tmp_path):
+    report = make_report()
+    report["layers"]["2"]["reap_sum"][5] = float("inf")
+    run = run_plan(tmp_path, report)
+    assert run.returncode == 0, run.stderr
+    assert "plan: warning: report layer 2: 'reap_sum' is infinite for experts [5]" in run.stderr
+    assert 5 in json.loads((tmp_path / "sel.json").read_text())["layers"]["2"]
+    budget = plan_selection(report, budget=20)
+    assert 5 in budget["layers"]["2"] and sum(map(len, budget["layers"].values())) == 20
+
+
+def test_all_zero_saliency_plans_with_a_warning(tmp_path):
+    report = make_report()
+    for layer in report["layers"].values():
+        for key in layer:
+            layer[key] = [0.0] * 16
+    run = run_plan(tmp_path, report)
+    assert run.returncode == 0, run.stderr
+    assert ("plan: warning: every expert of layers [1, 2, 3] scores 0 by reap (nothing was routed to them?): "
+            "those layers keep the lowest expert ids") in run.stderr
+    report["layers"]["1"]["count"] = [1.0] * 16
+    report["layers"]["1"]["reap_sum"] = [2.0] * 16
+    run = run_plan(tmp_path, report, "--criterion", "frequency")
+    assert "every expert of layers [2, 3] scores 0 by frequency" in run.stderr

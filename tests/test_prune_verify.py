@@ -16,16 +16,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from reap_tools.checkpoint import INDEX_NAME, PARTIAL_RE, SELECTION_NAME
+from reap_tools.remote_code import AUTO_MAP
 from reap_tools.prune import DELAY_ENV, SelectionError, prune_checkpoint
 from reap_tools.verify import verify_checkpoint
+from tokenization_kimi_k3 import write_tokenizer_files
 
 ROOT = Path(__file__).resolve().parents[1]
+RANK_FILE = ROOT / "tests" / "fixtures" / "tiktoken.model"
 P = "language_model.model.layers."
 
 
 def make_checkpoint(path: Path, *, layers: int = 4, experts: int = 8, top_k: int = 2, hidden: int = 64,
                     latent: int = 64, inter: int = 32, shards: int = 3, mxfp4: bool = True, seed: int = 0) -> Path:
-    """A release-layout checkpoint: layer 0 dense, layers 1.. MoE, experts packed as MXFP4 (or bf16)."""
+    """A release-layout checkpoint: layer 0 dense, layers 1.. MoE, experts packed as MXFP4 (or bf16), with the
+    tokenizer files, generation config and auto_map a release carries."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, dtype=torch.bfloat16):
@@ -80,8 +84,10 @@ def make_checkpoint(path: Path, *, layers: int = 4, experts: int = 8, top_k: int
             "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                 "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True}}}}
+    config["auto_map"] = dict(AUTO_MAP)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "tokenizer_config.json").write_text("{}")
+    write_tokenizer_files(path, RANK_FILE)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}))
     (path / "modeling_kimi_k3.py").write_text("# remote code\n")
     (path / "extra").mkdir()
     (path / "extra" / "notes.txt").write_text("hello")

@@ -97,3 +97,37 @@ def test_a_hostile_expert_count_is_refused_in_seconds_under_a_memory_cap(packed_
     print(f"hostile num_experts: subprocess {time.perf_counter() - start:.1f} s; {done.stdout.strip()[:120]}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "REFUSED" in done.stdout and "config: num_experts, hidden_size = 10000000, 64 (layer 1)" in done.stdout
+
+
+def test_verify_refuses_what_the_loader_refuses(packed_checkpoint):
+    """One rule for both: a router stored as I64 and a NaN scale fail `verify` (and so `upload`) as they fail a load."""
+    from reap_tools import upload
+    from reap_tools.verify import verify_checkpoint
+
+    router = "language_model.model.layers.2.block_sparse_moe.gate.weight"
+    scale = EXPERT.format(1, 0, "w1.weight_scale")
+    assert verify_checkpoint(packed_checkpoint, progress=False).errors == []
+    edit_tensors(packed_checkpoint, lambda t: t.__setitem__(router, t[router].to(torch.int64)))
+    errors = verify_checkpoint(packed_checkpoint, progress=False).errors
+    assert any(f"wrong dtype: {router} in model.safetensors (I64, model expects BF16 or F16 or F32)" in e
+               for e in errors), errors
+    assert upload.main([packed_checkpoint, "org/model", "--dry-run", "--no-progress"]) == 1
+    with pytest.raises(ValueError, match=f"wrong dtype: {router}"):
+        KimiK3ForCausalLM.from_pretrained(packed_checkpoint)
+    edit_tensors(packed_checkpoint, lambda t: (t.__setitem__(router, t[router].float()),
+                                               t[scale].view(-1)[3:4].fill_(0xFF)))
+    errors = verify_checkpoint(packed_checkpoint, progress=False).errors
+    assert any(f"NaN scale: {scale} in model.safetensors holds E8M0 code 0xFF" in e for e in errors), errors
+
+
+def test_verify_refuses_a_hostile_expert_count_in_seconds_under_a_memory_cap(packed_checkpoint):
+    """verify reached 16 GB on a config claiming 10^7 experts; the shared pass refuses it from the headers first."""
+    edit_config(packed_checkpoint, num_experts=10**7)
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
+              "from reap_tools.verify import main; sys.exit(main(sys.argv[1:]))")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", script, packed_checkpoint, "--no-progress"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    print(f"verify, hostile num_experts: {time.perf_counter() - start:.1f} s, exit {done.returncode}")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "config: num_experts, hidden_size = 10000000, 64 (layer 1)" in done.stderr

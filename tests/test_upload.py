@@ -46,7 +46,7 @@ def test_dry_run_lists_files_with_sizes(pruned, capsys):
     shards = {p.name for p in dst.glob("model-*.safetensors")}
     assert len(shards) >= 3
     assert {"config.json", "model.safetensors.index.json", "reap_selection.json", "tokenizer_config.json",
-            *REMOTE_CODE} | shards == listed
+            "tiktoken.model", "generation_config.json", "chat_template.jinja", *REMOTE_CODE} | shards == listed
     assert not any("__pycache__" in name or "extra" in name for name in listed)
     assert out[-1].startswith("dry run: ") and "org/model" in out[-1]
     r = upload_checkpoint(dst, "org/model", dry_run=True, progress=False)
