@@ -48,6 +48,7 @@ from .prune import SelectionError, load_selection, validate_selection
 from .release_files import load_problems
 
 PRINT_ERRORS = 50
+MAX_MISSING_EXPERTS = 8  # missing experts of a layer named one by one past the last one present
 
 
 @dataclass
@@ -207,7 +208,11 @@ def check_config(path: Path, tensors: dict[str, TensorInfo], errors: list[str], 
                 errors.append(f"tensor {t.name}: shape {list(t.shape)}, config implies {list(shape)}")
         for e in sorted(set(layer.experts) - set(range(n_experts))):
             errors.append(f"tensor {layer.prefix}experts.{e}.*: expert id beyond num_experts {n_experts} ({CONFIG_NAME})")
-        for e in range(n_experts):
+        listed = min(n_experts, max(layer.experts, default=-1) + 1 + MAX_MISSING_EXPERTS)
+        if listed < n_experts:  # a config claiming far more experts than the shards hold: one line, not millions
+            errors.append(f"{layer.prefix}experts.{listed}..{n_experts - 1}: missing ({CONFIG_NAME} says "
+                          f"{n_experts} experts)")
+        for e in range(listed):
             have = layer.experts.get(e, {})
             for suffix, (dtypes, shape) in per_expert.items():
                 t = have.get(suffix)
@@ -224,21 +229,18 @@ def check_config(path: Path, tensors: dict[str, TensorInfo], errors: list[str], 
     return config
 
 
-def check_model_structure(path: Path, errors: list[str]) -> bool:
+def check_model_structure(path: Path, errors: list[str]) -> None:
     """The loader's own structural pass (`kimi_k3_loading.check_structure`: config sizes against the shard
     headers, its dtype rule, a sample of the MXFP4 scales for NaN), so that verify passes nothing the loader
-    refuses; its cost follows the headers, so a config claiming 10^7 experts fails here before the per-expert
-    checks. False where it found a problem (a config the model refuses is `check_config`'s to name)."""
+    refuses. A config the model refuses is `check_config`'s to name."""
     try:
         text = model_text_config(read_config(path))
     except CheckpointError:
-        return True
+        return
     try:
         check_against_config(path, text, read_safetensors_headers(path))
     except (ValueError, OSError) as e:
         errors.append(str(e))
-        return False
-    return True
 
 
 def check_loader_files(path: Path, errors: list[str]) -> None:
@@ -315,11 +317,10 @@ def verify_checkpoint(path: str | Path, *, source: str | Path | None = None, sel
         result.errors.append(f"{path}: not a directory")
         return result
     tensors = check_structure(result.path, result.errors, result.stats)
-    shards_ok = bool(tensors) and not result.errors
+    if tensors and not result.errors:
+        check_model_structure(result.path, result.errors)
     check_loader_files(result.path, result.errors)
-    config = None
-    if tensors and (not shards_ok or check_model_structure(result.path, result.errors)):
-        config = check_config(result.path, tensors, result.errors, result.stats)
+    config = check_config(result.path, tensors, result.errors, result.stats) if tensors else None
     embedded = result.path / SELECTION_NAME
     if config is not None and source is None and (selection is not None or embedded.exists()):
         try:

@@ -37,6 +37,9 @@ def make_checkpoint(path: Path, *, layers: int = 4, experts: int = 8, top_k: int
             return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
         return torch.randn(*shape, generator=g).to(dtype)
 
+    def scales(*shape):  # E8M0 codes of scales 2^-15 .. 2^0: no 0xFF, which is NaN and refused
+        return torch.randint(112, 128, shape, generator=g, dtype=torch.uint8)
+
     t = {"language_model.model.embed_tokens.weight": rand(40, hidden),
          "language_model.model.norm.weight": rand(hidden),
          "language_model.lm_head.weight": rand(40, hidden)}
@@ -60,7 +63,7 @@ def make_checkpoint(path: Path, *, layers: int = 4, experts: int = 8, top_k: int
             for w, (rows, cols) in (("w1", (inter, latent)), ("w3", (inter, latent)), ("w2", (latent, inter))):
                 if mxfp4:
                     t[f"{m}experts.{e}.{w}.weight_packed"] = rand(rows, cols // 2, dtype=torch.uint8)
-                    t[f"{m}experts.{e}.{w}.weight_scale"] = rand(rows, cols // 32, dtype=torch.uint8)
+                    t[f"{m}experts.{e}.{w}.weight_scale"] = scales(rows, cols // 32)
                 else:
                     t[f"{m}experts.{e}.{w}.weight"] = rand(rows, cols)
     path.mkdir(parents=True)
