@@ -52,7 +52,7 @@ TRUNCATED_IN_REASONING = (
     "The output ended inside the thinking channel, before any answer: generation ran out of "
     f"max_new_tokens while the model was still reasoning. Raise max_new_tokens (at least "
     f"{RECOMMENDED_MAX_NEW_TOKENS} is recommended with thinking on), lower thinking_effort, or "
-    "turn thinking off with thinking=False."
+    "turn thinking off: pipe(messages, thinking=False) or apply_chat_template(..., thinking=False)."
 )
 TRUNCATED = "The output ended before the message was closed, usually because max_new_tokens ran out: raise it."
 

@@ -941,6 +941,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
         return output_with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden)
 
 
+# The chat template's options that `KimiK3ForCausalLM.generate` takes (tokenization_kimi_k3.THINKING_OPTIONS).
+_THINKING_OPTIONS = ("thinking", "enable_thinking", "thinking_effort", "reasoning_effort")
+
+
 def _reject_unsupported_outputs(kwargs):
     for name in ("output_attentions", "output_hidden_states"):
         if kwargs.get(name):
@@ -974,6 +978,57 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             raise ValueError(f"assisted generation is not supported by {type(self).__name__}: its KDA layers keep a "
                              "recurrent state that cannot be rolled back past rejected draft tokens")
         return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
+    def generate(self, *args, chat_template_kwargs=None, **kwargs):
+        """`GenerationMixin.generate`, also taking the chat template's thinking options (`thinking=False`,
+        `thinking_effort=...`, or transformers' `chat_template_kwargs={...}`).
+
+        transformers' text-generation pipeline renders a chat with the template's defaults and hands any other
+        keyword to generate, so `pipe(messages, thinking=False)` arrives here. The model then generates from the
+        prompt re-rendered with them (`KimiK3Tokenizer.rerender_prompt`); the returned sequences are the prompt as
+        given, the bridge (an empty think channel when thinking turns off) and the reply, so that the pipeline
+        finds the reply where it cuts it and parses it as the prompt it holds says.
+        """
+        options = {name: kwargs.pop(name) for name in _THINKING_OPTIONS if name in kwargs}
+        options.update(chat_template_kwargs or {})
+        if not options:
+            return super().generate(*args, **kwargs)
+        if args:
+            kwargs["inputs"], args = args[0], args[1:]
+        key = "input_ids" if kwargs.get("input_ids") is not None else "inputs"
+        prompts = kwargs.get(key)
+        if not torch.is_tensor(prompts) or prompts.dim() != 2:
+            raise ValueError(f"chat options {sorted(options)} need the chat prompt's ids as input_ids")
+        mask = kwargs.get("attention_mask")
+        tokenizer = self._chat_tokenizer()
+        rendered, bridges = zip(*(tokenizer.rerender_prompt(row[mask[i].bool()] if mask is not None else row,
+                                                            **options) for i, row in enumerate(prompts)))
+        width, pad = max(map(len, rendered)), tokenizer.pad_token_id
+        kwargs[key] = torch.tensor([[pad] * (width - len(r)) + r for r in rendered], device=prompts.device)
+        kwargs["attention_mask"] = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rendered],
+                                                device=prompts.device)
+        out = super().generate(*args, **kwargs)
+        sequences = out if torch.is_tensor(out) else out.sequences
+        rows = sequences.shape[0] // prompts.shape[0]  # num_return_sequences
+        given = prompts.repeat_interleave(rows, dim=0)
+        bridge = torch.tensor(bridges, dtype=sequences.dtype, device=sequences.device)  # [rows, bridge length]
+        whole = torch.cat([given, bridge.repeat_interleave(rows, dim=0), sequences[:, width:]], dim=1)
+        if torch.is_tensor(out):
+            return whole
+        out.sequences = whole
+        return out
+
+    def _chat_tokenizer(self):
+        """The checkpoint's own tokenizer, loaded once, for `generate`'s chat options (the model was loaded with its
+        remote code, so the tokenizer's comes from the same place)."""
+        if getattr(self, "_tokenizer", None) is None:
+            from transformers import AutoTokenizer
+
+            if not self.name_or_path:
+                raise ValueError("chat options given to generate need the model's checkpoint folder to load its "
+                                 "tokenizer; pass them to the template instead (tokenizer_encode_kwargs=...)")
+            self._tokenizer = AutoTokenizer.from_pretrained(self.name_or_path, trust_remote_code=True)
+        return self._tokenizer
 
     def decode_stages(self):
         """A one-token decode step as [(device, stage, offloaded)] for the decode graph (`kimi_k3_runners`): each

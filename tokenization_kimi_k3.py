@@ -462,6 +462,16 @@ def _named(role: str, message: Mapping) -> list[tuple[str, Any]]:
     return [("role", role), *([("name", message["name"])] if message.get("name") else [])]
 
 
+def _effort_message(out: _Segments, effort: str) -> None:
+    """The system message that thinking on sends, naming the effort."""
+    body = (
+        "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+        "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+        f"Now the system is invoked with `thinking_effort={effort}`."
+    )
+    out.message([("role", "system"), ("type", "thinking-effort")], body)
+
+
 def _render(
     messages: list[Mapping], tools, thinking: bool, effort: str, add_generation_prompt: bool, extras
 ) -> _Segments:
@@ -469,12 +479,7 @@ def _render(
     if tools:
         _tool_declaration(out, tools, dynamic=False)
     if thinking:
-        body = (
-            "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
-            "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
-            f"Now the system is invoked with `thinking_effort={effort}`."
-        )
-        out.message([("role", "system"), ("type", "thinking-effort")], body)
+        _effort_message(out, effort)
     calls: list = []
     tool_index = 0
     for message in _order_tool_results(messages):
@@ -605,6 +610,8 @@ CHAT_OPTIONS = (
     "response_format",
     "response_schema",
 )
+# The ones a rendered prompt can be re-rendered with (`KimiK3Tokenizer.rerender_prompt`).
+THINKING_OPTIONS = CHAT_OPTIONS[:4]
 # `return_dict` defaults to False on transformers 4.x and True on 5.x; keep each version's default.
 _RETURN_DICT_DEFAULT = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters["return_dict"].default
 
@@ -923,6 +930,59 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
             )
         return_dict = _RETURN_DICT_DEFAULT if return_dict is None else return_dict
         return encoded if return_dict else encoded["input_ids"]
+
+    def rerender_prompt(self, ids, **options) -> tuple[list[int], list[int]]:
+        """A chat prompt's ids rendered with thinking on (apply_chat_template's default) turned into the ids that
+        `options` (THINKING_OPTIONS, e.g. thinking=False) give, as if they had been passed to apply_chat_template;
+        and the bridge: the ids that, put after the original prompt, make its reply read as this one's (an empty
+        think channel when thinking turns off, else none).
+
+        transformers' text-generation pipeline hands such options to `generate`, not to the template; the model's
+        `generate` calls this. Only whole segments change (the effort message, past think channels, the generation
+        prompt), and segments are encoded one by one, so the ids are exactly the re-rendered ones.
+        """
+        unknown = sorted(set(options) - set(THINKING_OPTIONS))
+        if unknown:
+            raise ValueError(f"chat option {unknown[0]!r} cannot be applied to a rendered prompt: pass it to the "
+                             f"template (tokenizer_encode_kwargs=...); generate takes {', '.join(THINKING_OPTIONS)}")
+        think, effort = chat_options(**options)
+        ids = [int(token_id) for token_id in ids]
+
+        def encoded(tag=None, name=None, effort=None):
+            out = _Segments()
+            if tag is not None:
+                getattr(out, tag)(name)
+            if effort is not None:
+                _effort_message(out, effort)
+            return self.encode_segments(out)
+
+        def find(part, start=0):
+            return next((i for i in range(start, len(ids) - len(part) + 1) if ids[i : i + len(part)] == part), None)
+
+        think_open, think_close = encoded("open", "think"), encoded("close", "think")
+        if ids[-len(think_open) :] != think_open:
+            raise ValueError(
+                "chat options given to generate apply to a chat prompt rendered with thinking on, ending in its "
+                "generation prompt; for another prompt pass them to the template (tokenizer_encode_kwargs=...)"
+            )
+        messages = [encoded(effort=name) for name in THINKING_EFFORTS]
+        found = [(start, len(message)) for message in messages if (start := find(message)) is not None]
+        if not found:
+            raise ValueError("the chat prompt has no thinking-effort message: it was not rendered with thinking on")
+        start, length = min(found)
+        head, body, end = ids[:start], [], len(ids) - len(think_open)
+        if think:
+            return head + encoded(effort=effort) + ids[start + length : end] + think_open, []
+        i = start + length
+        while i < end:  # past assistant turns: drop their think channels
+            opened = find(think_open, i)
+            if opened is None or opened >= end:
+                body += ids[i:end]
+                break
+            body += ids[i:opened]
+            i = find(think_close, opened) + len(think_close)
+        response_open = encoded("open", "response")
+        return head + body + response_open, think_close + response_open
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ at the decay's start and `--resume` continuing it. `--moe grouped` swaps, for tr
 `train` writes into OUT: config.json (bf16 experts), weights-NN.safetensors (the state dict in pieces under 15 MiB,
 the routed experts packed as MXFP4) and train_log.json. `package` rebuilds the model from them (experts unpacked),
 saves it with save_pretrained, converts the routed experts to MXFP4 with `python -m reap_tools quantize`
-(compressed-tensors' compressor), and adds the tokenizer files and the remote-code files (links to the root ones,
-`reap_tools.remote_code.link_remote_code`, once in place).
+(compressed-tensors' compressor), and adds the tokenizer files and the remote-code files (copies of the root ones,
+`reap_tools.remote_code.sync_remote_code`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ from configuration_kimi_k3 import KimiK3Config
 from kimi_k3_dispatch import use_fast_paths
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3LatentMoE, KimiK3Router
 from reap_tools.quantize import EXPERT_WEIGHT
-from reap_tools.remote_code import copy_remote_code, link_remote_code
+from reap_tools.remote_code import copy_remote_code, sync_remote_code
 from reap_tools.tiny import AUTO_MAP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -773,7 +773,7 @@ def cmd_package(args):
             shutil.copytree(bf16, keep)
         os.chmod(tmp / "mxfp4", 0o755)
         os.rename(tmp / "mxfp4", dst)
-        link_remote_code(dst)
+        sync_remote_code(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     size = sum(f.stat().st_size for f in dst.iterdir())
@@ -796,15 +796,15 @@ def release_config(path: Path, hidden_size: int):
 
 def cmd_sync_code(args):
     """Refresh a demo directory after the root's tokenizer changed: tokenizer_config.json (chat template, specials)
-    is rewritten for its own tiktoken.model and chat_template.jinja copied; the remote-code files are (made) links
-    to the root ones, so they need no refreshing."""
+    is rewritten for its own tiktoken.model, and chat_template.jinja and the remote-code files are copied from the
+    root (tests/test_demo.py fails while a copy differs)."""
     from tokenization_kimi_k3 import write_tokenizer_files
 
     dst = Path(args.dst)
     write_tokenizer_files(dst, dst / "tiktoken.model")
     shutil.copyfile(ROOT / "chat_template.jinja", dst / "chat_template.jinja")
-    names = link_remote_code(dst)
-    print(f"rewrote tokenizer_config.json, copied chat_template.jinja, linked {', '.join(names)} into {dst}")
+    names = sync_remote_code(dst)
+    print(f"rewrote tokenizer_config.json, copied chat_template.jinja and {', '.join(names)} into {dst}")
     return 0
 
 

@@ -8,20 +8,46 @@ prompt is refused: there is nothing to complete.
 import os
 import sys
 
+from reap_tools import cpu
 from reap_tools.cli import ArgumentParser, fail, int_at_least
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(ROOT, "demo", "reap40")
-DEFAULT_PROMPT = "def fibonacci(n):\n"
+# The shipped demo completes this prompt into working code (`return f.read()`) in float32 and bfloat16 alike; it is
+# a tiny model, and of the README's five bare headers it completes 3 into code that parses and none into code that
+# does what the name says (tests/test_demo.py, tests/test_demo_reap40.py).
+DEFAULT_PROMPT = "def read_file(path):\n    with open(path) as f:\n"
 
 
-def load_pipeline(model_dir, device_map=None):
+def load_pipeline(model_dir, device_map=None, dtype="auto"):
     from transformers import pipeline
 
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir}: not a checkpoint directory (no config.json)")
     kwargs = {"device_map": device_map} if device_map else {}
-    return pipeline("text-generation", model=model_dir, trust_remote_code=True, **kwargs)
+    return pipeline("text-generation", model=model_dir, trust_remote_code=True, dtype=dtype, **kwargs)
+
+
+class Progress:
+    """A `stopping_criteria` entry that never stops anything: a progress bar of new tokens on stderr, with tokens/s
+    and an ETA (for `total`, the most there can be), shown only on a terminal."""
+
+    def __init__(self, total, desc, file=None):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="tok", desc=desc, leave=False, disable=None, file=file)
+        self.start = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        if self.start is None:
+            self.start = input_ids.shape[1] - 1
+        self.bar.update(input_ids.shape[1] - self.start - self.bar.n)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def close(self):
+        self.bar.close()
 
 
 def check_length(pipe, prompt_tokens, max_new_tokens):
@@ -133,8 +159,12 @@ def complete(pipe, prompt, max_new_tokens=128, sample=False, heal=True):
     head, tail = heal_prompt(pipe.tokenizer, prompt) if heal else (prompt, "")
     if tail:
         options["logits_processor"] = LogitsProcessorList([StartsWith(pipe.tokenizer, [tail])])
-    out = pipe(head, max_new_tokens=max_new_tokens, return_full_text=False,
-               stopping_criteria=StoppingCriteriaList([EndOfBlock(pipe.tokenizer, head)]), **options)
+    progress = Progress(max_new_tokens, "generate")
+    try:
+        out = pipe(head, max_new_tokens=max_new_tokens, return_full_text=False,
+                   stopping_criteria=StoppingCriteriaList([EndOfBlock(pipe.tokenizer, head), progress]), **options)
+    finally:
+        progress.close()
     text = head + out[0]["generated_text"]
     end = block_end(head, text)
     return text if end is None else text[:end].rstrip() + "\n"
@@ -143,14 +173,19 @@ def complete(pipe, prompt, max_new_tokens=128, sample=False, heal=True):
 def chat(pipe, prompt, max_new_tokens=256, sample=True, thinking=True):
     """One user turn; returns the parsed reply (reasoning_content, content, tool_calls and flags)."""
     from kimi_k3_parsing import parse
+    from transformers import StoppingCriteriaList
 
     options = dict(do_sample=True, temperature=1.0, top_p=0.95) if sample else dict(do_sample=False)
     messages = [{"role": "user", "content": prompt}]
     ids = pipe.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, thinking=thinking)
     prompt_ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     check_length(pipe, len(prompt_ids), max_new_tokens)
-    out = pipe(messages, max_new_tokens=max_new_tokens, tokenizer_encode_kwargs={"thinking": thinking},
-               return_tensors=True, **options)
+    progress = Progress(max_new_tokens, "chat")
+    try:
+        out = pipe(messages, max_new_tokens=max_new_tokens, tokenizer_encode_kwargs={"thinking": thinking},
+                   return_tensors=True, stopping_criteria=StoppingCriteriaList([progress]), **options)
+    finally:
+        progress.close()
     generated = list(out[0]["generated_token_ids"])[len(prompt_ids):]  # structure from the special ids, not text
     return parse(generated, tokenizer=pipe.tokenizer, thinking=thinking)
 
@@ -167,13 +202,19 @@ def main(argv=None):
     parser.add_argument("--no-heal", action="store_true", help="complete the prompt's last token as typed (no token "
                         "healing)")
     parser.add_argument("--device-map", default=None, help='e.g. "auto" to spread a large model over GPUs')
+    parser.add_argument("--dtype", choices=cpu.DTYPES, default="auto", help="default: float32 on a CPU without AMX "
+                        "(faster there), else the checkpoint's")
+    parser.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default 1 on the CPU: "
+                        "one-token steps are too small to share; torch's default on an accelerator)")
     args = parser.parse_args(argv)
     if args.no_thinking and not args.chat:
         parser.error("--no-thinking only applies with --chat")
     if not args.chat and not args.prompt.strip():
         parser.error("--prompt is empty: give the start of the text to complete")
+    threads = args.threads or (1 if cpu.runs_on_cpu(args.device_map) else None)
+    dtype = cpu.choose("generate", args.dtype, args.device_map, threads)
     try:
-        pipe = load_pipeline(args.model, args.device_map)
+        pipe = load_pipeline(args.model, args.device_map, dtype)
     except (OSError, ValueError) as e:
         return fail("generate", e)
     if not args.chat:

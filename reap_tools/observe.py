@@ -3,7 +3,7 @@ routed expert, what `plan` needs (REAP: Lasby et al., 2025).
 
     python -m reap_tools observe --model DIR --data FILE [FILE ...] --out report.json
         [--seq-len 2048] [--batch-size 1] [--max-tokens T] [--no-pack] [--padding-side right|left]
-        [--device-map auto] [--dtype auto|bfloat16|float16|float32] [--offload-folder DIR]
+        [--device-map auto] [--dtype auto|bfloat16|float16|float32] [--threads N] [--offload-folder DIR]
         [--tokenizer DIR] [--save-every 10] [--stop-after S] [--resume] [--no-progress]
 
 What is measured. Forward hooks on every `...layers.{i}.block_sparse_moe` (LatentMoE) block:
@@ -72,6 +72,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import cpu
 from .cli import ArgumentParser, check_writable, fail, int_at_least
 
 REPORT_FORMAT = "reap-saliency/1"
@@ -397,6 +398,7 @@ def observe(model, batches, *, resume_from: dict | None = None, calibration: dic
     skip = done
     device = input_device(model)
     bar = tqdm(total=total_sequences, initial=done, unit="seq", desc="observe", disable=not progress)
+    first, start = state["tokens"], time.time()  # tokens/s of this run (the bar's ETA counts sequences)
     since_save = 0
     exhausted = False
     try:
@@ -427,7 +429,8 @@ def observe(model, batches, *, resume_from: dict | None = None, calibration: dic
                 state["tokens"] += real
                 state["padding"] += ids.numel() - real
                 bar.update(ids.shape[0])
-                bar.set_postfix(tokens=state["tokens"])
+                rate = (state["tokens"] - first) / max(time.time() - start, 1e-9)
+                bar.set_postfix({"tokens": state["tokens"], "tok/s": f"{rate:.0f}"})
                 since_save += 1
                 if save_path is not None and save_every and since_save >= save_every:
                     save_report(report(), save_path)
@@ -651,14 +654,10 @@ def check_resumable(previous: dict, model: dict, calibration: dict) -> None:
             raise ObserveError(f"cannot resume: calibration {key} was {old.get(key)!r}, now {calibration.get(key)!r}")
 
 
-def _load_model(args):
+def _load_model(args, dtype="auto"):
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"trust_remote_code": True}
-    if args.dtype != "auto":
-        kwargs["dtype"] = getattr(torch, args.dtype)
-    else:
-        kwargs["dtype"] = "auto"
+    kwargs = {"trust_remote_code": True, "dtype": dtype}
     if args.device_map:
         kwargs["device_map"] = args.device_map
     if args.offload_folder:
@@ -685,7 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pack", action="store_true", help="one sequence per document instead of packing")
     ap.add_argument("--padding-side", choices=("right", "left"), default="right")
     ap.add_argument("--device-map", help='transformers device_map, e.g. "auto" (default: load on CPU)')
-    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto")
+    ap.add_argument("--dtype", choices=cpu.DTYPES, default="auto",
+                    help="default: float32 on a CPU without AMX (faster there), else the checkpoint's")
+    ap.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--offload-folder", help="offload folder for device_map auto")
     ap.add_argument("--save-every", type=int_at_least(1), default=10,
                     help="rewrite the report every N batches (default 10)")
@@ -710,8 +711,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.out.exists():
             raise ObserveError(f"{args.out} exists; pass --resume to continue it or choose another --out")
         check_writable(args.out)
+        dtype = cpu.choose("observe", args.dtype, args.device_map, args.threads)
         try:
-            model = _load_model(args)
+            model = _load_model(args, dtype)
         except ValueError as e:
             raise ObserveError(f"cannot load --model {args.model}: {e}") from None
         tc = getattr(model.config, "text_config", model.config)

@@ -3,7 +3,8 @@
 A checkpoint folder needs the model's code (`auto_map` names it) and the tokenizer's (`tokenizer_config.json` names
 it) beside its weights. The files are this package's own root modules; `prune` writes them into every checkpoint it
 makes (so a pruned checkpoint runs the code that wrote it, whatever the source carried), and the demo checkpoints in
-this repository link to them (`link_remote_code`), so that one edit changes every copy.
+this repository hold copies of them (`sync_remote_code`; tests/test_demo.py keeps the copies byte-identical), real
+files so that a copied folder, an upload and the Hub all carry the code.
 """
 
 from __future__ import annotations
@@ -38,16 +39,12 @@ def copy_remote_code(dst: str | os.PathLike, names=REMOTE_CODE) -> list[str]:
     return list(names)
 
 
-def link_remote_code(dst: str | os.PathLike) -> list[str]:
-    """Make `dst`'s remote-code files relative links to the root ones (a checkpoint inside this repository), and
-    remove any other .py file there; returns the names."""
-    dst = Path(dst).resolve()
-    for name in REMOTE_CODE:
-        target = dst / name
-        if target.exists() or target.is_symlink():
-            target.unlink()
-        target.symlink_to(os.path.relpath(ROOT / name, dst))
+def sync_remote_code(dst: str | os.PathLike) -> list[str]:
+    """Make `dst`'s remote-code files copies of the root ones (replacing links), and remove any other .py file
+    there; returns the names."""
+    dst = Path(dst)
+    names = copy_remote_code(dst)
     for stale in dst.glob("*.py"):
         if stale.name not in REMOTE_CODE:
             stale.unlink()
-    return list(REMOTE_CODE)
+    return names

@@ -7,6 +7,7 @@ the prompt's top-level statement (first column-0 line after the prompt, else the
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,40 @@ def loaded():
 
 
 @pytest.mark.parametrize("checkpoint", [DEMO, PRUNED], ids=["parent", "reap40"])
-def test_demo_code_links_to_the_root(checkpoint):
-    """The demos' remote code is the root's, by link (one edit changes every copy); no other .py file is there."""
+def test_demo_code_is_a_copy_of_the_root(checkpoint):
+    """The demos carry the root's remote code as real files (so `cp -r`, `upload` and the Hub carry it), each
+    byte-identical to its root file; no other .py file is there."""
     assert {p.name for p in checkpoint.glob("*.py")} == set(REMOTE_CODE), f"run `{SYNC}`"
     for name in REMOTE_CODE:
         demo = checkpoint / name
-        assert demo.is_symlink() and demo.resolve() == (ROOT / name).resolve(), f"{demo}: run `{SYNC}`"
+        assert not demo.is_symlink(), f"{demo} is a link, not a copy: run `{SYNC}`"
+        assert demo.read_bytes() == (ROOT / name).read_bytes(), f"{demo} differs from {name}: run `{SYNC}`"
+
+
+def test_a_copied_demo_loads_on_its_own(tmp_path):
+    """`cp -r demo/reap40` (links copied as links, as `cp -r` does) loads elsewhere, and verify passes it."""
+    from transformers import AutoModelForCausalLM
+
+    from reap_tools.release_files import load_problems
+
+    copy = tmp_path / "reap40"
+    shutil.copytree(PRUNED, copy, symlinks=True)
+    assert load_problems(copy) == []
+    model = AutoModelForCausalLM.from_pretrained(copy, trust_remote_code=True)
+    assert type(model).__name__ == "KimiK3ForCausalLM"
+
+
+def test_sync_code_copies_over_links_and_drops_stale_code(tmp_path):
+    from reap_tools.remote_code import sync_remote_code
+
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    (folder / "modeling_kimi_k3.py").symlink_to(ROOT / "modeling_kimi_k3.py")
+    (folder / "old_module.py").write_text("x = 1\n")
+    assert sync_remote_code(folder) == list(REMOTE_CODE)
+    assert {p.name for p in folder.glob("*.py")} == set(REMOTE_CODE)
+    for name in REMOTE_CODE:
+        assert not (folder / name).is_symlink() and (folder / name).read_bytes() == (ROOT / name).read_bytes()
 
 
 @pytest.mark.parametrize("checkpoint", [DEMO, PRUNED], ids=["parent", "reap40"])
@@ -331,3 +360,18 @@ def test_healed_completion_follows_the_prompt_as_typed(loaded):
     model, tokenizer = loaded
     (prompt, completion, _, _), = eval_demo.greedy_completions(model, tokenizer, ["def add(a, b):"], 8, heal=True)
     assert (prompt + completion).startswith("def add(a, b):\n")
+
+
+def test_verify_and_upload_refuse_a_copy_whose_code_links_broke(tmp_path, capsys):
+    """A demo folder laid out as it once was, its .py files relative links into the repository, copied elsewhere
+    with `cp -r`: the links dangle, and verify and upload --dry-run both refuse it, naming the module."""
+    from reap_tools import upload, verify
+
+    copy = tmp_path / "reap40"
+    shutil.copytree(PRUNED, copy, ignore=shutil.ignore_patterns("*.py"))
+    for name in REMOTE_CODE:
+        (copy / name).symlink_to(f"../../{name}")
+    assert verify.main([str(copy), "--no-progress"]) == 1
+    assert "configuration_kimi_k3.py: broken symlink" in capsys.readouterr().out
+    assert upload.main([str(copy), "org/model", "--dry-run", "--no-progress"]) == 1
+    assert "configuration_kimi_k3.py" in capsys.readouterr().err

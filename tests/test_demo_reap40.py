@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -34,3 +35,30 @@ def test_pruned_demo_is_the_generate_default_and_generates():
     finally:
         torch.set_num_threads(threads)
     assert text.startswith("def fibonacci(n):\n") and len(text) > len("def fibonacci(n):\n")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_default_prompt_completes_into_code_that_does_what_its_name_says(dtype, tmp_path):
+    """`python -m reap_tools generate` with its defaults (demo/reap40, greedy, 128 new tokens): the completion
+    parses, and the function it defines reads a file (float32 is the CPU default without AMX, bfloat16 elsewhere)."""
+    import ast
+
+    from transformers import pipeline
+
+    from reap_tools.generate import DEFAULT_PROMPT, complete
+
+    model = AutoModelForCausalLM.from_pretrained(PRUNED, trust_remote_code=True, dtype=dtype)
+    pipe = pipeline("text-generation", model=model, tokenizer=str(PRUNED), trust_remote_code=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        text = complete(pipe, DEFAULT_PROMPT, max_new_tokens=128)
+    finally:
+        torch.set_num_threads(threads)
+    assert text.startswith(DEFAULT_PROMPT)
+    ast.parse(text)
+    namespace = {}
+    exec(compile(text, "completion", "exec"), namespace)  # noqa: S102 - the demo's own output, checked above
+    sample = tmp_path / "sample.txt"
+    sample.write_text("two\nlines\n")
+    assert namespace["read_file"](str(sample)) == "two\nlines\n", text

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from chat_cases import PROMPT_RESPONSE, PROMPT_THINK
-from transformers import AutoTokenizer, pipeline
+from transformers import AutoTokenizer, GenerationMixin, pipeline
 from transformers.pipelines.text_generation import Chat, TextGenerationPipeline
 
 import tokenization_kimi_k3 as k3
@@ -170,3 +170,85 @@ def test_save_pretrained_writes_no_response_hook(chat_pipe, tmp_path):
 def test_streaming_points_to_stream_parser(chat_pipe):
     with pytest.raises(NotImplementedError, match="StreamParser"):
         chat_pipe.tokenizer.get_response_parser(prefix="")
+
+
+THINKING_OFF = [{"thinking": False}, {"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}}]
+
+
+@pytest.mark.parametrize("options", THINKING_OFF, ids=["thinking", "reasoning_effort", "chat_template_kwargs"])
+def test_pipeline_takes_the_thinking_switch_where_users_pass_it(chat_pipe, options):
+    """`pipe(messages, thinking=False)` (and the other spellings) reach generate, which re-renders the prompt:
+    the model generates what `tokenizer_encode_kwargs={"thinking": False}` makes it generate, and the pipeline
+    reads the reply as that one (on 4.57, which returns text, the ids parse alike)."""
+    tokenizer = chat_pipe.tokenizer
+    thinking_on = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
+    thinking_off = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, thinking=False,
+                                                 return_dict=False)
+    run = dict(max_new_tokens=6, do_sample=False)
+    reference = chat_pipe(MESSAGES, tokenizer_encode_kwargs={"thinking": False}, return_tensors=True, **run)
+    reply = list(reference[0]["generated_token_ids"])[len(thinking_off):]
+    ids = list(chat_pipe(MESSAGES, return_tensors=True, **options, **run)[0]["generated_token_ids"])
+    _, bridge = tokenizer.rerender_prompt(thinking_on, thinking=False)
+    assert bridge and ids == thinking_on + bridge + reply
+    expected = parse(reply, tokenizer=tokenizer, thinking=False)
+    assert parse(ids[len(thinking_on):], tokenizer=tokenizer, thinking=True)["content"] == expected["content"]
+    message = chat_pipe(MESSAGES, **options, **run)[0]["generated_text"][-1]
+    if HOOK:
+        assert message["content"] == expected["content"] and message["reasoning_content"] in ("", None)
+
+
+def test_thinking_effort_reaches_the_prompt(chat_pipe, monkeypatch):
+    tokenizer = chat_pipe.tokenizer
+    low = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, thinking_effort="low", return_dict=False)
+    seen = []
+    generate = GenerationMixin.generate  # the model's generate hands it the re-rendered prompt
+
+    def record(self, *args, **kwargs):
+        seen.append(kwargs["input_ids"][0].tolist())
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", record)
+    chat_pipe(MESSAGES, max_new_tokens=2, do_sample=False, thinking_effort="low")
+    assert seen == [low]
+
+
+def test_rerender_prompt_matches_the_template():
+    """Every chat case's thinking-on prompt, re-rendered with each thinking option, is the template's own
+    rendering with that option."""
+    from chat_cases import CASES
+
+    tokenizer = k3.KimiK3Tokenizer(str(RANK_FILE))
+    options = [{"thinking": False}, {"enable_thinking": False}, {"reasoning_effort": "none"},
+               {"thinking_effort": "low"}, {"reasoning_effort": "high"}, {"thinking": True}]
+    checked = 0
+    for name, (messages, tools, kwargs, _) in CASES.items():
+        if not kwargs.get("add_generation_prompt"):
+            continue
+        base = {k: v for k, v in kwargs.items() if k not in k3.THINKING_OPTIONS}
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, return_dict=False, **base)
+        for option in options:
+            expected = tokenizer.apply_chat_template(messages, tools=tools, return_dict=False, **base, **option)
+            assert tokenizer.rerender_prompt(prompt, **option)[0] == expected, (name, option)
+            checked += 1
+    assert checked >= 30
+    with pytest.raises(ValueError, match="tool_choice"):
+        tokenizer.rerender_prompt(prompt, tool_choice="none")
+    response = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, thinking=False, return_dict=False)
+    with pytest.raises(ValueError, match="tokenizer_encode_kwargs"):
+        tokenizer.rerender_prompt(response, thinking=False)
+
+
+def test_the_truncation_warnings_advice_runs_as_written(chat_pipe):
+    """The warning for a reply cut off while thinking names a pipeline call; that call, as written, runs."""
+    import ast
+    import re
+
+    from kimi_k3_parsing import TRUNCATED_IN_REASONING
+
+    advice = re.search(r"pipe\(messages, [^)]*\)", TRUNCATED_IN_REASONING)
+    assert advice, TRUNCATED_IN_REASONING
+    call = ast.parse(advice.group(0)).body[0].value
+    options = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    assert options == {"thinking": False}
+    out = chat_pipe(MESSAGES, max_new_tokens=2, do_sample=False, **options)
+    assert out[0]["generated_text"][-1]["role"] == "assistant"

@@ -191,13 +191,12 @@ def test_budget_prune_gives_per_layer_counts_that_load_and_generate(source, tmp_
     assert {len(v) for v in plan_selection(again, num_experts=2)["layers"].values()} == {2}
 
 
-def test_prune_of_the_demo_writes_the_packages_code_where_the_source_links_to_it(tmp_path):
-    """demo/parent's remote code is links into this repository; the pruned checkpoint gets regular files holding
-    this package's code (never a link out of its folder), loads on its own and equals demo/reap40's logits."""
+def test_prune_of_the_demo_writes_the_packages_code(tmp_path):
+    """The pruned checkpoint gets regular files holding this package's code (never a link out of its folder), loads
+    on its own and equals demo/reap40's logits."""
     from reap_tools.remote_code import REMOTE_CODE, ROOT
 
     demo = ROOT / "demo"
-    assert all((demo / "parent" / name).is_symlink() for name in REMOTE_CODE)
     dst = tmp_path / "reap40"
     prune_checkpoint(demo / "parent", demo / "reap40" / "reap_selection.json", dst, progress=False)
     for name in REMOTE_CODE:
