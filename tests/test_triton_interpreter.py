@@ -13,6 +13,25 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# A LatentMoE with random MXFP4 bytes under sane scale codes, for the scripts below (each runs in its own process).
+RANDOM_MOE = textwrap.dedent(
+    """
+    def random_moe(latent, inner, experts, top_k, dtype=None):
+        \"\"\"Layer 1's LatentMoE of a tiny model: its MXFP4 packs random bytes (all 16 codes) under scale codes
+        112..123.\"\"\"
+        config = tiny_config(packed=True, routed_expert_hidden_size=latent, moe_intermediate_size=inner,
+                             num_experts=experts, num_experts_per_token=top_k)
+        moe = random_model(config, seed=1).language_model.model.layers[1].block_sparse_moe.to(dtype)
+        with torch.no_grad():
+            for e in moe.experts:
+                for lin in (e.w1, e.w2, e.w3):
+                    lin.weight_packed.copy_(torch.randint(0, 256, lin.weight_packed.shape, dtype=torch.uint8))
+                    lin.weight_scale.copy_(torch.randint(112, 124, lin.weight_scale.shape, dtype=torch.uint8))
+        return moe
+    """
+)
+
+
 MXFP4_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -23,14 +42,7 @@ MXFP4_SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     for latent, inner, experts, top_k, tokens in [(32, 32, 8, 2, 5), (64, 96, 6, 3, 7), (128, 64, 5, 2, 40),
                                                   (64, 64, 8, 3, 1)]:  # one token: unsorted pair blocks
-        config = tiny_config(packed=True, routed_expert_hidden_size=latent, moe_intermediate_size=inner,
-                             num_experts=experts, num_experts_per_token=top_k)
-        moe = random_model(config, seed=1).language_model.model.layers[1].block_sparse_moe
-        with torch.no_grad():
-            for e in moe.experts:
-                for lin in (e.w1, e.w2, e.w3):
-                    lin.weight_packed.copy_(torch.randint(0, 256, lin.weight_packed.shape, dtype=torch.uint8))
-                    lin.weight_scale.copy_(torch.randint(112, 124, lin.weight_scale.shape, dtype=torch.uint8))
+        moe = random_moe(latent, inner, experts, top_k)
         z = torch.randn(tokens, latent).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
         weights = torch.rand(tokens, top_k)
@@ -97,14 +109,7 @@ UPCAST_ONCE_SCRIPT = textwrap.dedent(
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     # the experts against the reference's packed experts, one chunk and chunks of 2 experts, with another rank's pairs
     latent, inner, experts, top_k, tokens = 64, 96, 6, 3, 40
-    config = tiny_config(packed=True, routed_expert_hidden_size=latent, moe_intermediate_size=inner,
-                         num_experts=experts, num_experts_per_token=top_k)
-    moe = random_model(config, seed=1).language_model.model.layers[1].block_sparse_moe.to(torch.bfloat16)
-    with torch.no_grad():
-        for e in moe.experts:
-            for lin in (e.w1, e.w2, e.w3):
-                lin.weight_packed.copy_(torch.randint(0, 256, lin.weight_packed.shape, dtype=torch.uint8))
-                lin.weight_scale.copy_(torch.randint(112, 124, lin.weight_scale.shape, dtype=torch.uint8))
+    moe = random_moe(latent, inner, experts, top_k, torch.bfloat16)
     stack = moe.stack_experts()
     z = torch.randn(tokens, latent).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts + 1)[:top_k] for _ in range(tokens)])  # id 6: another rank's expert
@@ -300,14 +305,7 @@ SAME_INTERMEDIATE_SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     kernels = resolve_ops(FastPaths(experts=True, fused=True), REFERENCE_OPS)
     assert kernels.routed_experts is not routed_experts and kernels.pair_sum_norm is not pair_sum_norm
-    config = tiny_config(packed=True, routed_expert_hidden_size=64, moe_intermediate_size=96, num_experts=6,
-                         num_experts_per_token=2)
-    moe = random_model(config, seed=1).language_model.model.layers[1].block_sparse_moe.to(torch.bfloat16)
-    with torch.no_grad():
-        for e in moe.experts:
-            for lin in (e.w1, e.w2, e.w3):
-                lin.weight_packed.copy_(torch.randint(0, 256, lin.weight_packed.shape, dtype=torch.uint8))
-                lin.weight_scale.copy_(torch.randint(112, 124, lin.weight_scale.shape, dtype=torch.uint8))
+    moe = random_moe(64, 96, 6, 2, torch.bfloat16)
     for tokens in (1, 5):  # one token: per-pair blocks; several: sorted blocks
         z = torch.randn(tokens, 64).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(7)[:2] for _ in range(tokens)])  # id 6: another rank's expert
@@ -329,6 +327,13 @@ SAME_INTERMEDIATE_SCRIPT = textwrap.dedent(
 )
 
 
+def with_random_moe(script):
+    """`script` with `random_moe` (RANDOM_MOE) defined after its imports."""
+    anchor = "from reap_tools.tiny import random_model, tiny_config\n"
+    assert anchor in script
+    return script.replace(anchor, anchor + RANDOM_MOE, 1)
+
+
 def run_in_interpreter(script):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -341,21 +346,21 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 @needs_triton
 def test_mxfp4_kernels_in_the_triton_interpreter():
-    run_in_interpreter(MXFP4_SCRIPT)
+    run_in_interpreter(with_random_moe(MXFP4_SCRIPT))
 
 
 @needs_triton
 def test_upcast_once_experts_in_the_triton_interpreter():
     """mxfp4_triton's prompt path: the upcast kernel bit for bit, SiTU-GLU, the grouped GEMMs over sorted pairs,
     the scatter of their outputs back to (token, slot) order."""
-    run_in_interpreter(UPCAST_ONCE_SCRIPT)
+    run_in_interpreter(with_random_moe(UPCAST_ONCE_SCRIPT))
 
 
 @needs_triton
 def test_both_moe_paths_produce_the_same_intermediate():
     """The reference `routed_experts` and the expert kernels (its drop-in) give the same per-(token, slot) outputs,
     which either `pair_sum_norm` then weights, sums and norms."""
-    run_in_interpreter(SAME_INTERMEDIATE_SCRIPT)
+    run_in_interpreter(with_random_moe(SAME_INTERMEDIATE_SCRIPT))
 
 
 @needs_triton
