@@ -94,6 +94,10 @@ RESPONSE_TEMPLATE = "kimi_k3_parsing"
 RESPONSE_HOOKS = ("response_template", "response_schema")
 
 
+def _no_ranks(path) -> str:
+    return f"{path}: no BPE ranks (the file is empty): use the {VOCAB_FILE} of the Kimi K3 release"
+
+
 def load_rank_file(path: str | Path) -> dict[bytes, int]:
     """Read a tiktoken rank file (`base64(token) rank` per line) of any size.
 
@@ -110,7 +114,7 @@ def load_rank_file(path: str | Path) -> dict[bytes, int]:
         except ValueError as err:
             raise ValueError(f"{path}:{number}: expected 'base64-token rank', got {line[:80]!r}") from err
     if not ranks:
-        raise ValueError(f"{path}: no BPE ranks (the file is empty): use the {VOCAB_FILE} of the Kimi K3 release")
+        raise ValueError(_no_ranks(path))
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: ranks must be unique and cover 0..{len(ranks) - 1} without gaps")
     return ranks
@@ -628,6 +632,15 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
 
     vocab_files_names = {"vocab_file": VOCAB_FILE}
     model_input_names = ["input_ids", "attention_mask"]
+
+    @classmethod
+    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
+        """transformers 4.57 reports any error of `__init__` as a missing protobuf where protobuf is not installed:
+        an empty rank file is refused here, before it, so that its own one-line error reaches the user."""
+        vocab_file = resolved_vocab_files.get("vocab_file")
+        if vocab_file is not None and Path(vocab_file).is_file() and Path(vocab_file).stat().st_size == 0:
+            raise ValueError(_no_ranks(vocab_file))
+        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
     def __init__(
         self,
