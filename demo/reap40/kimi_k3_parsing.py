@@ -175,7 +175,11 @@ class _TextLexer:
     def text_of(self, chunk) -> str | None:
         """`chunk` when it is all text (no marker, nor the start of one at its end), else None: StreamParser's
         fast path."""
-        if type(chunk) is not str or self._tail or self._ending or _MARKER_RE.search(chunk):
+        if type(chunk) is not str or self._tail or self._ending:
+            return None
+        if "<" not in chunk and "[" not in chunk:  # every marker starts with one of them: most chunks end here
+            return chunk
+        if _MARKER_RE.search(chunk):
             return None
         return None if _PARTIAL_MARKER_RE.search(chunk, max(0, len(chunk) - _LONGEST_MARKER)) else chunk
 
@@ -264,8 +268,17 @@ class _IdLexer:
             return None
         if type(chunk) is list and len(chunk) == 1:
             chunk = chunk[0]
-        if type(chunk) is int:
-            return None if chunk in self._controls else self._utf8(self._bytes_of(chunk), False)
+        if type(chunk) is int:  # one id a call, the usual stream: inlined, it is most of the parser's time
+            if chunk in self._controls:
+                return None
+            data = self._token_bytes.get(chunk)
+            if data is None:
+                data = self._bytes_of(chunk)
+            if self._pending:
+                data = self._pending + data
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            self._pending = data[used:]
+            return text
         if type(chunk) is not list or not all(type(i) is int for i in chunk):
             return None
         if not self._controls.keys().isdisjoint(chunk):
@@ -532,7 +545,8 @@ class StreamParser:
         """Add generated text (or ids, with a tokenizer); return the delta it settled (possibly empty)."""
         if self._ended:
             return {}
-        if type(chunk) is not int and hasattr(chunk, "tolist"):
+        kind = type(chunk)
+        if kind is not int and kind is not str and kind is not list and hasattr(chunk, "tolist"):
             chunk = chunk.tolist()
         if not self._held and (self._state in _CHANNEL_KEYS or (self._by_id and self._state == "tools")):
             # Text alone, the usual chunk while generating: no item stream needed.
