@@ -112,11 +112,12 @@ class SaliencyObserver:
     Use as a context manager (hooks attached inside). Before each forward call `set_mask(attention_mask)`
     ([B, T], 0 = padding, or None for no padding); after it, `commit()` adds that forward's numbers to the
     totals. `totals()` gives {layer: float64 CPU tensor [4, E]} in FIELDS order. `initial` (a report's
-    "layers" block) starts the totals from a previous, partial report.
+    "layers" block) starts the totals from a previous, partial report. `blocks` ({layer: LatentMoE block}) watches
+    those blocks instead of the model's (the layer-sequential engine passes the one layer it has built).
     """
 
-    def __init__(self, model, initial: dict | None = None):
-        self.blocks = find_moe_blocks(model)
+    def __init__(self, model, initial: dict | None = None, blocks: dict | None = None):
+        self.blocks = dict(blocks) if blocks is not None else find_moe_blocks(model)
         self.experts = {i: len(b.experts) for i, b in self.blocks.items()}
         self._totals: dict[int, torch.Tensor] = {}
         for i, n in self.experts.items():
@@ -245,8 +246,13 @@ class SaliencyObserver:
         return {i: t.detach().cpu() for i, t in self._totals.items()}
 
     def layers_report(self) -> dict[str, dict[str, list]]:
+        return self.layers_report_of(self.totals())
+
+    @staticmethod
+    def layers_report_of(totals: dict[int, torch.Tensor]) -> dict[str, dict[str, list]]:
+        """The report's "layers" object from {layer: float64 [4, E]} totals in FIELDS order."""
         out = {}
-        for i, t in self.totals().items():
+        for i, t in totals.items():
             rows = t.tolist()
             out[str(i)] = {"count": [int(c) for c in rows[0]], "reap_sum": rows[1], "ean_sum": rows[2],
                            "max_norm": rows[3]}
@@ -262,15 +268,23 @@ def model_block(model, name_or_path: str | None = None) -> dict:
     """The report's "model" object (plan.py schema) from a loaded model's config."""
     config = model.config
     tc = getattr(config, "text_config", None) or config
-    layers = int(tc.num_hidden_layers)
-    if hasattr(tc, "experts_in_layer"):
-        counts = [int(tc.experts_in_layer(i)) for i in range(layers)]
-    else:
+    counts = None
+    if not hasattr(tc, "experts_in_layer"):
         blocks = find_moe_blocks(model)
-        counts = [len(blocks[i].experts) if i in blocks else 0 for i in range(layers)]
+        counts = [len(blocks[i].experts) if i in blocks else 0 for i in range(int(tc.num_hidden_layers))]
+    return describe_model(config, name_or_path or getattr(config, "_name_or_path", None) or None,
+                          model_revision(model, name_or_path), next(model.parameters()).dtype, counts)
+
+
+def describe_model(config, name_or_path: str | None, revision: str | None, dtype, counts=None) -> dict:
+    """The report's "model" object from a config (`counts`: routed experts per layer, default the config's)."""
+    tc = getattr(config, "text_config", None) or config
+    layers = int(tc.num_hidden_layers)
+    if counts is None:
+        counts = [int(tc.experts_in_layer(i)) for i in range(layers)]
     block = {
-        "name_or_path": name_or_path or getattr(config, "_name_or_path", None) or None,
-        "revision": model_revision(model, name_or_path),
+        "name_or_path": name_or_path,
+        "revision": revision,
         "num_hidden_layers": layers,
         "num_experts": int(tc.num_experts),
         "num_experts_per_token": int(tc.num_experts_per_token),
@@ -278,7 +292,7 @@ def model_block(model, name_or_path: str | None = None) -> dict:
     }
     if getattr(tc, "num_experts_per_layer", None) is not None:
         block["num_experts_per_layer"] = [int(c) for c in counts]
-    block["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    block["dtype"] = str(dtype).removeprefix("torch.")
     return block
 
 
@@ -287,7 +301,11 @@ def model_revision(model, path: str | None = None) -> str | None:
     commit = getattr(model.config, "_commit_hash", None)
     if commit:
         return str(commit)
-    path = path or getattr(model.config, "_name_or_path", None)
+    return path_revision(path or getattr(model.config, "_name_or_path", None))
+
+
+def path_revision(path: str | None) -> str | None:
+    """Commit of a local checkpoint folder: its `.git` HEAD, or the hub cache snapshot id in its path."""
     if not path or not os.path.isdir(path):
         return None
     head = git_head(path)
@@ -671,6 +689,31 @@ def _needs_tokenizer(files) -> bool:
     return any(Path(f).suffix.lower() in TEXT_SUFFIXES for f in files)
 
 
+def prepare_calibration(args, config) -> tuple[list[np.ndarray], dict, int]:
+    """(sequences, the report's calibration provenance, pad id) for the CLI's --data and settings on `config`."""
+    tc = getattr(config, "text_config", config)
+    tokenizer = tokenizer_name = None
+    if _needs_tokenizer(args.data):
+        from transformers import AutoTokenizer
+        tokenizer_name = args.tokenizer or args.model
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=True)
+        except ValueError as e:
+            raise ObserveError(f"cannot load the tokenizer {tokenizer_name}: {e}") from None
+    pad_id = _first(getattr(tc, "pad_token_id", None))
+    pad_id = pad_id if pad_id is not None else _first(getattr(config, "pad_token_id", None))
+    if pad_id is None:
+        pad_id = 0  # padded positions are masked out, so the id only has to be valid
+    separator_id = _first(getattr(tc, "eos_token_id", None))
+    sequences, files = load_calibration(args.data, tokenizer, vocab_size=int(tc.vocab_size), seq_len=args.seq_len,
+                                        pack=not args.no_pack, separator_id=separator_id, max_tokens=args.max_tokens)
+    calibration = {"files": files, "seq_len": args.seq_len, "batch_size": args.batch_size,
+                   "packing": "document" if args.no_pack else "pack", "padding_side": args.padding_side,
+                   "max_tokens": args.max_tokens, "separator_id": separator_id, "pad_id": int(pad_id),
+                   "tokenizer": tokenizer_name, "device_map": args.device_map}
+    return sequences, calibration, int(pad_id)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m reap_tools observe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="model dir (or hub id) to observe")
@@ -693,7 +736,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-after", type=int_at_least(1), help="stop after this many sequences in all (resume later)")
     ap.add_argument("--resume", action="store_true", help="continue the partial report at --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    seq = ap.add_argument_group("layer-sequential observe (a checkpoint too large to load; reap_tools/sequential.py)")
+    seq.add_argument("--sequential", action="store_true",
+                     help="run one decoder layer at a time, read straight from the shards")
+    seq.add_argument("--devices", help="comma-separated devices splitting the sequences, e.g. 0,1,2,3 or cpu,cpu "
+                                       "(default: cuda:0 if there is one, else cpu; under torchrun one per rank)")
+    seq.add_argument("--max-host-gb", type=float, help="host memory for the carried state (GB, whole host); the "
+                                                       "rest is read back from --scratch (default: no limit)")
+    seq.add_argument("--scratch", type=Path, help="folder for the carried state, deleted at the end "
+                                                  "(default: OUT.scratch beside --out)")
+    seq.add_argument("--prefill-chunk", type=int_at_least(1), default=8192,
+                     help="tokens a sequence goes through a layer at a time, as the model prefills (default 8192)")
+    seq.add_argument("--stop-after-layer", type=int_at_least(0), help="stop after this decoder layer (resume later)")
     args = ap.parse_args(argv)
+    if args.sequential:
+        for flag, value in (("--device-map", args.device_map), ("--offload-folder", args.offload_folder),
+                            ("--stop-after", args.stop_after)):
+            if value is not None:
+                ap.error(f"{flag} does not apply to --sequential")
+        if args.max_host_gb is not None and args.max_host_gb < 0:
+            ap.error(f"--max-host-gb must be >= 0, got {args.max_host_gb}")
+    else:
+        for flag, value in (("--devices", args.devices), ("--max-host-gb", args.max_host_gb),
+                            ("--scratch", args.scratch), ("--stop-after-layer", args.stop_after_layer)):
+            if value is not None:
+                ap.error(f"{flag} needs --sequential")
     try:
         previous = None
         if args.resume:
@@ -705,46 +772,32 @@ def main(argv: list[str] | None = None) -> int:
                 raise ObserveError(f"--resume: {args.out} is not JSON ({e})") from None
             if not isinstance(previous, dict) or previous.get("format") != REPORT_FORMAT:
                 raise ObserveError(f"--resume: {args.out} is not a {REPORT_FORMAT} report")
+            if ("sequential" in previous) != args.sequential:
+                taken = "with" if "sequential" in previous else "without"
+                raise ObserveError(f"--resume: {args.out} was taken {taken} --sequential; resume it the same way")
             if previous.get("progress", {}).get("complete"):
                 print(f"{args.out} is already complete ({previous['progress']['sequences_done']} sequences)")
                 return 0
         elif args.out.exists():
             raise ObserveError(f"{args.out} exists; pass --resume to continue it or choose another --out")
         check_writable(args.out)
-        dtype = cpu.choose("observe", args.dtype, args.device_map, args.threads)
-        try:
-            model = _load_model(args, dtype)
-        except ValueError as e:
-            raise ObserveError(f"cannot load --model {args.model}: {e}") from None
-        tc = getattr(model.config, "text_config", model.config)
-        tokenizer = tokenizer_name = None
-        if _needs_tokenizer(args.data):
-            from transformers import AutoTokenizer
-            tokenizer_name = args.tokenizer or args.model
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=True)
-            except ValueError as e:
-                raise ObserveError(f"cannot load the tokenizer {tokenizer_name}: {e}") from None
-        pad_id = _first(getattr(tc, "pad_token_id", None))
-        pad_id = pad_id if pad_id is not None else _first(getattr(model.config, "pad_token_id", None))
-        if pad_id is None:
-            pad_id = 0  # padded positions are masked out, so the id only has to be valid
-        separator_id = _first(getattr(tc, "eos_token_id", None))
-        sequences, files = load_calibration(args.data, tokenizer, vocab_size=int(tc.vocab_size), seq_len=args.seq_len,
-                                            pack=not args.no_pack, separator_id=separator_id,
-                                            max_tokens=args.max_tokens)
-        calibration = {"files": files, "seq_len": args.seq_len, "batch_size": args.batch_size,
-                       "packing": "document" if args.no_pack else "pack", "padding_side": args.padding_side,
-                       "max_tokens": args.max_tokens, "separator_id": separator_id, "pad_id": int(pad_id),
-                       "tokenizer": tokenizer_name, "device_map": args.device_map}
-        name = args.model
-        if previous is not None:
-            check_resumable(previous, model_block(model, name), calibration)
         started = time.time()
-        report = observe(model, make_batches(sequences, args.batch_size, int(pad_id), args.padding_side),
-                         resume_from=previous, calibration=calibration, name_or_path=name,
-                         total_sequences=len(sequences), stop_after=args.stop_after, save_path=args.out,
-                         save_every=args.save_every, progress=not args.no_progress)
+        if args.sequential:
+            from .sequential import observe_cli
+            report = observe_cli(args, previous)
+        else:
+            dtype = cpu.choose("observe", args.dtype, args.device_map, args.threads)
+            try:
+                model = _load_model(args, dtype)
+            except ValueError as e:
+                raise ObserveError(f"cannot load --model {args.model}: {e}") from None
+            sequences, calibration, pad_id = prepare_calibration(args, model.config)
+            if previous is not None:
+                check_resumable(previous, model_block(model, args.model), calibration)
+            report = observe(model, make_batches(sequences, args.batch_size, pad_id, args.padding_side),
+                             resume_from=previous, calibration=calibration, name_or_path=args.model,
+                             total_sequences=len(sequences), stop_after=args.stop_after, save_path=args.out,
+                             save_every=args.save_every, progress=not args.no_progress)
     except (ObserveError, OSError) as e:
         return fail("observe", e)
     except KeyboardInterrupt:
@@ -753,10 +806,23 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     p = report["progress"]
     state = "complete" if p["complete"] else "partial (continue with --resume)"
+    if args.sequential:
+        state += f", decoder layers done {_spans(report['sequential']['layers_done'])}"
     print(f"wrote {args.out}: {p['sequences_done']}/{p['total_sequences']} sequences, "
           f"{report['calibration']['num_tokens']} tokens, {len(report['layers'])} MoE layers, {state} "
           f"in {time.time() - started:.1f}s")
     return 0
+
+
+def _spans(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    spans = []
+    for i in ids:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans) or "none"
 
 
 if __name__ == "__main__":
