@@ -36,7 +36,9 @@ Keep rules:
   (--min-per-layer, default and minimum top-k): its protected experts, then its best by score.
   The rest of the budget goes to the highest *normalised* scores across all layers, where
   normalised = score / mean score of that layer, so a layer whose saliency is spread over many
-  experts keeps more of them than one dominated by a few.
+  experts keeps more of them than one dominated by a few. SGLang and vLLM read one
+  text_config.num_experts for every layer: such a checkpoint runs only with this package's remote
+  code, which plan says on stderr whenever --budget is given.
 - --protect-super K: the K experts of each layer with the largest max_norm ("super experts",
   rare but huge activations) are always kept, counted inside N / the floor.
 
@@ -221,6 +223,10 @@ def _initial(scores: np.ndarray, norms: np.ndarray, n: int, protect: int) -> lis
 NON_UNIFORM_NOTE = ("note: the layers keep different numbers of experts. Transformers (this repo's remote code) "
                     "loads that; SGLang and vLLM size every MoE layer from one num_experts and do not: only uniform "
                     "prunes (-n N) serve there.")
+# said on stderr before planning whenever --budget is given (the note above follows a non-uniform result)
+NON_UNIFORM_WARNING = ("--budget keeps different numbers of experts per layer; SGLang and vLLM read one "
+                       "text_config.num_experts for every layer, so such a checkpoint runs only with this package's "
+                       "remote code (transformers, trust_remote_code=True). Plan with -n N to serve it there.")
 
 
 def plan_selection(report: dict, *, num_experts: int | None = None, budget: int | None = None,
@@ -366,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag} {path} is the report itself; choose another path")
     if heatmap is not None and heatmap.resolve() == args.output.resolve():
         ap.error(f"--heatmap {heatmap} is the selection output; choose another path")
+    if args.budget is not None:
+        print(f"plan: warning: {NON_UNIFORM_WARNING}", file=sys.stderr)
     try:
         report = load_report(args.report, allow_incomplete=args.allow_incomplete)
         for warning in report_warnings(report, args.criterion):
