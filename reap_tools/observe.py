@@ -147,7 +147,8 @@ class SaliencyObserver:
                 block.register_forward_pre_hook(self._block_pre_hook(i)),
                 block.gate.register_forward_hook(self._gate_hook(i)),
                 block.routed_expert_down_proj.register_forward_hook(self._down_hook(i)),
-                block.register_forward_hook(self._block_hook(i)),
+                # inside the block's forward, where an offloaded block's weights are loaded (accelerate's hook)
+                block.routed_expert_up_proj.register_forward_pre_hook(self._block_hook(i, block)),
             ]
 
     def detach(self) -> None:
@@ -184,13 +185,13 @@ class SaliencyObserver:
             self._pending.setdefault(i, {})["z"] = output
         return hook
 
-    def _block_hook(self, i):
-        def hook(module, args, output):
+    def _block_hook(self, i, block):
+        def hook(module, args):
             seen = self._pending.pop(i, {})
             if not {"ids", "weights", "z"} <= set(seen):
                 raise RuntimeError(f"observe: layer {i}: the MoE block ran without calling its gate and "
                                    f"routed_expert_down_proj once each (got {sorted(seen)})")
-            self._accumulate(i, module, seen["ids"], seen["weights"], seen["z"])
+            self._accumulate(i, block, seen["ids"], seen["weights"], seen["z"])
         return hook
 
     @torch.no_grad()
