@@ -22,8 +22,8 @@ from transformers.utils import logging
 try:
     from .configuration_kimi_k3 import KimiK3Config
     from .kda import kda_forward
-    from .kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask, given_cache,
-                                next_positions, output_with_cache)
+    from .kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask,
+                                generation_cache_key, given_cache, next_positions, output_with_cache)
     from .kimi_k3_dispatch import FastPathDispatch, FastPaths, Ops, use_fast_paths
     # transformers 4.57 copies a local folder's modules into its cache from this file's relative imports alone, not
     # theirs in turn: the kernel modules, which only the dispatch imports, are named here so that they travel too
@@ -36,8 +36,8 @@ try:
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
     from kda import kda_forward
-    from kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask, given_cache,
-                               next_positions, output_with_cache)
+    from kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask,
+                               generation_cache_key, given_cache, next_positions, output_with_cache)
     from kimi_k3_dispatch import FastPathDispatch, FastPaths, Ops, use_fast_paths
     from kimi_k3_loading import VISION_KEYS, check_loaded_scales, load_model, release_state_dict
     from kimi_k3_runners import execution_device, kda_side_by_side, mla_side_by_side, moe_side_by_side
@@ -256,6 +256,8 @@ class KimiK3DeltaAttention(nn.Module):
         ((q, k, v), the new conv histories). Where fla's chunked kernel takes them (in fp32, see kda.py), a conv
         kernel may store them in fp32 (the same values), which spares a cast of each."""
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if own.recorded(x.shape[1]):  # a cache that can roll back keeps the conv inputs (before a kernel
+            own.stage_conv(projected, self.q_conv1d.kernel_size[0])  # overwrites the histories in place)
         fp32 = torch.float32 if ops.paths.kda_prefill and x.shape[1] > 1 else None
         return ops.short_convs(projected, (self.q_conv1d, self.k_conv1d, self.v_conv1d), own.conv_states,
                                own.in_place, fp32)
@@ -267,12 +269,22 @@ class KimiK3DeltaAttention(nn.Module):
         g_raw, beta_raw, gate_logits = gates
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        o, state = ops.delta_rule(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
-                                  self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                                  own.recurrent_state, in_place=own.in_place)
+        inputs = (q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw)
+        kept = own.recorded(length)  # a cache that can roll back: also the state before the tokens it records
+        o, state, *base = ops.delta_rule(*inputs, self.A_log[: self.num_heads], self.dt_bias, self.lower_bound,
+                                         self.head_dim**-0.5, own.recurrent_state, in_place=own.in_place,
+                                         **(dict(states_at=[length - kept]) if kept else {}))
+        if kept:
+            own.record(inputs, base[0][:, 0], self.replay(ops))
         own.update(conv_states, state)
         o = ops.gated_rms_norm(o, gate_logits, self.o_norm, x.dtype)
         return self.o_proj(o.reshape(batch, length, -1))
+
+    def replay(self, ops):
+        """This layer's delta rule over recorded inputs (q, k, v, g_raw, beta_raw) from a state: what a cache
+        rolling back past rejected draft tokens recomputes its state with (`KimiK3DeltaCacheLayer.crop`)."""
+        constants = (self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5)
+        return lambda *inputs, initial_state: ops.delta_rule(*inputs, *constants, initial_state)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -510,6 +522,15 @@ class MXFP4Linear(nn.Module):
     def forward(self, x):
         return F.linear(x, dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype=x.dtype))
 
+    def row(self, e):
+        """Layer e of a stack: a `MXFP4Linear` whose parameters are views of this one's (writes go through)."""
+        linear = MXFP4Linear.__new__(MXFP4Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight_packed = nn.Parameter(self.weight_packed[e], requires_grad=False)
+        linear.weight_scale = nn.Parameter(self.weight_scale[e], requires_grad=False)
+        return linear
+
     @torch.no_grad()
     def pack_(self, weight):
         """Quantize a float weight [..., out, in] into this layer's packs (compressed-tensors' rounding)."""
@@ -523,15 +544,6 @@ class MXFP4Linear(nn.Module):
 
 
 class KimiK3Expert(nn.Module):
-    def row(self, e):
-        """Layer e of a stack: a `MXFP4Linear` whose parameters are views of this one's (writes go through)."""
-        linear = MXFP4Linear.__new__(MXFP4Linear)
-        nn.Module.__init__(linear)
-        linear.in_features, linear.out_features = self.in_features, self.out_features
-        linear.weight_packed = nn.Parameter(self.weight_packed[e], requires_grad=False)
-        linear.weight_scale = nn.Parameter(self.weight_scale[e], requires_grad=False)
-        return linear
-
     """One routed expert in the latent space: `w2(situ(w1 z, w3 z))`, L -> moe_intermediate -> L (float weights, or
     a view of one expert of a `KimiK3Experts` stack)."""
 
@@ -552,18 +564,6 @@ class KimiK3Expert(nn.Module):
         return situ_glu(h[..., :inner], h[..., inner:], self.beta, self.linear_beta)
 
 
-# Most dequantized expert weights (w1, w3 and w2, in the activation dtype) the reference holds at once.
-DEQUANT_CHUNK_BYTES = 64 << 20
-
-
-def routed_experts(moe, z, ids):
-    """Each (token, slot)'s expert output `expert_{ids[:, k]}(z)`, unweighted, [N, k, L] in z's dtype, for the
-    latents z [N, L] and the router's ids [N, k]. Pairs are sorted by expert so each expert runs once on one
-    contiguous slice (`stacked_experts`, or each expert where the block has no stack on z's device). Pairs
-    with id `moe.num_experts` (experts another rank holds) give rows of zeros."""
-    top_k = ids.shape[1]
-    order = ids.flatten().argsort(stable=True)
-    counts = torch.bincount(ids.flatten(), minlength=moe.num_experts + 1).tolist()
 class KimiK3Experts(nn.Module):
     """A block's routed MXFP4 experts as one stack per projection: `w1`, `w3` [E, inner, L/2 | L/32] and `w2`
     [E, L, inner/2 | inner/32], which the reference and the expert kernels read (`mxfp4.ExpertStack`). The release
@@ -621,6 +621,18 @@ class KimiK3Experts(nn.Module):
                         [state_dict.pop(k) for k in keys if k in state_dict])
 
 
+# Most dequantized expert weights (w1, w3 and w2, in the activation dtype) the reference holds at once.
+DEQUANT_CHUNK_BYTES = 64 << 20
+
+
+def routed_experts(moe, z, ids):
+    """Each (token, slot)'s expert output `expert_{ids[:, k]}(z)`, unweighted, [N, k, L] in z's dtype, for the
+    latents z [N, L] and the router's ids [N, k]. Pairs are sorted by expert so each expert runs once on one
+    contiguous slice (`stacked_experts`, or each expert where the block has no stack on z's device). Pairs
+    with id `moe.num_experts` (experts another rank holds) give rows of zeros."""
+    top_k = ids.shape[1]
+    order = ids.flatten().argsort(stable=True)
+    counts = torch.bincount(ids.flatten(), minlength=moe.num_experts + 1).tolist()
     foreign = counts.pop()
     order = order[: order.numel() - foreign]
     routed = z[order // top_k]
@@ -969,6 +981,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             model.dispatch.resolved(device)  # resolve (and log) the fast paths once per device
         return (model, info) if wants_info else model
 
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        """transformers' `save_pretrained`, in the release's layout: one tensor per routed expert
+        (`kimi_k3_loading.release_state_dict`)."""
+        state_dict = release_state_dict(self.state_dict() if state_dict is None else state_dict)
+        return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+
 
 class KimiK3Model(KimiK3PreTrainedModel):
     """The bare decoder (AutoModel): last hidden states, no LM head."""
@@ -981,12 +999,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, cache=None, inputs_embeds=None, use_cache=None,
-    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
-        """transformers' `save_pretrained`, in the release's layout: one tensor per routed expert
-        (`kimi_k3_loading.release_state_dict`)."""
-        state_dict = release_state_dict(self.state_dict() if state_dict is None else state_dict)
-        return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
-
                 return_dict=True, past_key_values=None, **kwargs):
         cache = given_cache(cache, past_key_values, kwargs)
         _reject_unsupported_outputs(kwargs)
@@ -1024,13 +1036,21 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         spans, where the `cuda_graphs` path is on)."""
         return KimiK3StaticCache(self.config, batch_size, max_length, cuda_graph)
 
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        """Refuse assisted decoding up front: it rolls the cache back past rejected draft tokens, which a recurrent
-        KDA state cannot do (transformers up to 5.24 refused it for stateful models; 5.25 no longer does)."""
-        if generation_mode == GenerationMode.ASSISTED_GENERATION:
-            raise ValueError(f"assisted generation is not supported by {type(self).__name__}: its KDA layers keep a "
-                             "recurrent state that cannot be rolled back past rejected draft tokens")
-        return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        """Assisted generation and prompt lookup (and this model's own `generate` as someone's assistant) roll the
+        cache back past rejected draft tokens: they get a `KimiK3Cache` up front (transformers 5.x asks for one)
+        that records what a rollback needs (`activate_past_recording`), wide enough for the draft size asked for."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        if generation_mode != GenerationMode.ASSISTED_GENERATION and not getattr(generation_config, "is_assistant",
+                                                                                  False):
+            return
+        given = [model_kwargs[k] for k in ("cache", "past_key_values") if model_kwargs.get(k) is not None]
+        cache = given[0] if given else None
+        if cache is None and generation_config.use_cache is not False:
+            cache = model_kwargs[generation_cache_key()] = KimiK3Cache(self.config)
+        if cache is not None:
+            drafts = (generation_config.prompt_lookup_num_tokens, generation_config.num_assistant_tokens)
+            cache.activate_past_recording(recurrent_states_to_keep=max(int(d or 0) for d in drafts) + 1)
 
     def generate(self, *args, chat_template_kwargs=None, **kwargs):
         """`GenerationMixin.generate`, also taking the chat template's thinking options (`thinking=False`,

@@ -81,11 +81,6 @@ def test_sampling_and_beam_search(model):
     assert torch.equal(beams, beams_uncached)
 
 
-def test_assisted_generation_is_a_clear_error(model):
-    with pytest.raises(ValueError, match="stateful|assist"):
-        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, assistant_model=model)
-
-
 def test_packed_experts_equal_their_dequantized_bf16_twin():
     packed = random_model(tiny_config(packed=True), seed=5)
     plain = random_model(tiny_config(packed=False), seed=5)
