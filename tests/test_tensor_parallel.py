@@ -1,9 +1,12 @@
 """Tensor + expert parallel loading (issue 19, CPU): `from_pretrained(DIR, trust_remote_code=True, tp_plan="auto")`
 under `torchrun --nproc-per-node 2` and `4` (gloo) gives the one-process model's logits and greedy tokens, each
-rank holding 1/N of every layer's MXFP4 experts, the router whole and the plan's shapes; the plan's slices in one
-process with a fake rank; and the errors for an indivisible config, another plan and a load outside torchrun.
+rank holding 1/N of every layer's MXFP4 experts, the router whole and the plan's shapes; the split numerics layer by
+layer against a float64 reference; the plan's slices in one process with a fake rank; and the errors for an
+indivisible config, another plan and a load outside torchrun.
 """
 
+import copy
+import json
 import os
 import re
 import socket
@@ -18,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from reap_tools.tiny import random_model, tiny_config, write_checkpoint
 from tensor_parallel import TensorParallel, check_tp_size, shard
-from tp_worker import NEW_TOKENS, PROMPT, moe_layers, run
+from tp_worker import NEW_TOKENS, PROMPT, moe_layers, record_whole, run
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
 
@@ -89,6 +92,37 @@ def test_torchrun_load_matches_one_process(checkpoint, reference, tmp_path, size
             assert got["moe"][i]["experts"] == layer["experts"][rank * per_rank : (rank + 1) * per_rank]
             assert got["moe"][i]["bytes"] * size == layer["bytes"]
             assert got["moe"][i]["router"] == layer["router"]
+
+
+def test_torchrun_split_numerics_are_as_close_as_fp32_summation_order(tmp_path):
+    """Issue 44's shape (tiny_config's defaults: six layers, KDA and MLA, 4 heads, 8 experts top-2, hidden 64) on 4
+    gloo ranks: every whole module output (each decoder layer, o_proj and down projection after its all-reduce, each
+    MoE block, the logits) is as far from a float64 one-process reference as the fp32 one-process model's is, up to
+    the change of summation order. A split op that rounds differently (a partial sum in a narrower dtype, a norm of
+    a rank's share) would stand out at the module that introduces it, by the factor of its extra rounding."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), WORKER, "--random", json.dumps({}), "0", str(tmp_path / "out.pt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    split = torch.load(tmp_path / "out.pt")
+    model = random_model(tiny_config(packed=True), seed=0)
+    wide = copy.deepcopy(model).double()
+    wide.stack_experts()
+    outputs, wide_outputs = record_whole(model), record_whole(wide)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits, wide_logits = model(ids).logits, wide(ids).logits
+    outputs["logits"], wide_outputs["logits"], split["outputs"]["logits"] = logits, wide_logits, split["logits"]
+    assert list(split["outputs"]) == list(wide_outputs) and len(wide_outputs) == 31
+
+    def error(got, reference):
+        return ((got.double() - reference.double()).abs().max() / reference.double().abs().max()).item()
+
+    for name, reference in wide_outputs.items():
+        one, tp = error(outputs[name], reference), error(split["outputs"][name], reference)
+        assert 0 < one < 1e-5, name
+        assert tp <= 3 * one + 2e-7, f"{name}: 4 ranks {tp:.2e} from float64, one process {one:.2e}"
 
 
 @pytest.mark.parametrize("size", [2, 4])
