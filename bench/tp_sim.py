@@ -1,40 +1,48 @@
-"""One rank's share of Kimi K3 at TP8, timed on one GPU: the predicted 8-GPU decode TPOT (issue #19, simulation).
+"""One rank's share of Kimi K3 at TP8, timed on one GPU: the predicted 8-GPU decode TPOT (issues #19, #44).
 
 There is no 8-GPU machine, so this times what rank 0 of an 8-way tensor + expert parallel job runs, on one device,
-and adds the cost of its collectives from a stated model (not measured):
+with its collectives as delay kernels of a modelled length (not measured):
 
   * real-width modules from the root config.json with random weights (`bench.common.build_layer`: MXFP4 packs of
     random bytes): a KDA + MoE layer, an MLA + MoE layer, layer 0 (KDA + dense MLP), and the head stage (embedding
     lookup, the output depth mix + final norm, the LM head). Each is timed whole first (the single-GPU reference of
     the same run), then sharded in place by `tensor_parallel.shard(module, TensorParallel(rank=0, size=8))` (12 of
     96 heads, 40 of 320 experts, 1/8 of the dense and shared MLPs and of the vocabulary) and timed again;
-  * decode steps at batch 1 and 8 as `bench.layer` times them (4 block-bank rows, KDA state or a 2048-token MLA
-    latent cache), replayed from CUDA graphs on CUDA, eager on the CPU (there only a dry run of the code path);
-  * `tensor_parallel.all_reduce` is replaced by an identity that records each call (`AllReduceStandIn`; chosen over
-    a process group of size 1, which would put a do-nothing NCCL call in the graph and still not time a real one):
-    rank 0's partial sums stand for the sums over the ranks, same shapes, so every kernel after a collective runs as
-    it would. Each recorded all-reduce then costs latency + 2(N-1)/N * bytes / bus bandwidth (ring), with public
-    figures for NVLink H200 and PCIe RTX PRO 6000 (`ALL_REDUCE_MODELS`, sources there);
+  * a decode step as the decode graph runs it (variant "decode"): a `KimiK3StaticCache` holding the layer's random
+    state after `MLA_CONTEXT` tokens (KDA state and conv histories, or that many MLA latents), the mask and
+    positions its `prepare` makes, and the layer's stage of `KimiK3ForCausalLM.decode_stages` (the block bank a plain
+    tuple of `BANK_ROWS` rows); other variants (`VARIANTS`) are timed beside it in the same run, at batch 1 and 8,
+    each replayed from a CUDA graph (eager on the CPU, a dry run of the code path only);
+  * `tensor_parallel.all_reduce` is replaced by a stand-in (`AllReduceStandIn`) that records each call and, on CUDA,
+    enqueues a `torch.cuda._sleep` kernel of the modelled length (latency + ring bytes term, `all_reduce_us`,
+    calibrated to µs on this GPU) on the current stream: each collective sits at its stream position inside the
+    captured graph (the shared experts' on their side stream), so overlap and serialisation are in the graph time.
+    Rank 0's partial sums stand for the sums over the ranks (same shapes), so every kernel after a collective runs
+    as it would. Every step is timed with all-reduces of 0 (compute only), 6 (a one-shot all-reduce in the graph)
+    and 15 µs (NCCL's ring + LL model);
+  * the kernels a step launches, counted by `torch.profiler` over graph replays (the delay kernels apart);
   * the busiest rank sets each MoE layer's step (every layer ends in all-reduces that wait for all ranks). Random
     hidden states through the real-width router give the distribution of experts hit per rank (max over the 8
     ranks) at batch 1 and 8; for the timed step the input (of a few candidates) whose busiest rank hits about that
     distribution's mean is taken, and the router's rows of that rank's experts are swapped with rank 0's, so rank 0
     is the busiest rank on it (the router is replicated and its weights random: a relabelling). The rank's experts
     call is also timed alone against the number of experts it hits;
-then sums the model from config.json's layer kinds (1 dense + 68 KDA + 24 MLA + head): each per-rank time plus its
-modelled all-reduces, next to the single-GPU extrapolation in bench/results/layer_h200.json, the same run's
-full-width layers and the model card's SGLang TP8 figure (README.md).
+then sums the model from config.json's layer kinds (1 dense + 68 KDA + 24 MLA + head): the predicted TPOT at batch
+1 and the aggregate tokens/s of 8 sequences, per variant and all-reduce length, next to the same run's full-width
+layers, the single-GPU extrapolation in bench/results/layer_h200.json and the model card's SGLang TP8 figure.
 
     KIMI_K3_QUICK_TUNE=1 python3 -m bench.tp_sim --out bench/results/tp_sim_h200.json
     python -m bench.tp_sim --device cpu --quick --out /tmp/tp_sim_cpu.json   # tiny widths, reference paths
 """
 
 import argparse
+import collections
 import json
 import os
 import sys
 import time
 import traceback
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -45,47 +53,42 @@ from bench.common import (CARD, RouteRecorder, build_layer, copy_bandwidth, deco
                           nbytes, non_expert_bytes, package_version, sync, time_ms, truncated)
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3_dispatch import resolve_fast_paths
-from modeling_kimi_k3 import KimiK3LanguageModel, KimiK3LatentMoE
+from modeling_kimi_k3 import (KimiK3DeltaAttention, KimiK3ForCausalLM, KimiK3LanguageModel, KimiK3LatentMoE,
+                              KimiK3StaticCache)
 from tensor_parallel import TensorParallel, check_tp_size, shard
 
 TP = 8
 BATCHES = (1, 8)
-GOAL_TPOT_MS_B1 = 15.0  # issue #19: predicted TP8 TPOT at batch 1 on 8 x H200
+# Issue #44's goals, on 8 x H200: TP8 TPOT at batch 1 by all-reduce length (µs), and 8 sequences' aggregate tok/s.
+GOAL_TPOT_MS_B1 = {"6": 10.0, "15": 12.0}
+GOAL_TOK_S_B8 = 450.0
+AR_LATENCIES_US = (0.0, 6.0, 15.0)  # all-reduce lengths each step is timed with: none, one-shot, NCCL ring + LL
+COUNTED_AT_US = 6.0  # the graph whose kernels are counted
 BANK_ROWS = 4  # block-bank rows before a decoder layer, as bench.layer times it (a mid-depth layer)
 MLA_CONTEXT = 2048  # cached latents behind an MLA layer's decode step, as bench.layer times it (--quick: 16)
 SINGLE_GPU_RESULTS = os.path.join("bench", "results", "layer_h200.json")
+# The steps timed side by side (`make_step`): "decode" first, the reference of the others.
+VARIANTS = {
+    "decode": "what the decode graph runs: KimiK3StaticCache, the mask and positions its prepare makes, the layer's "
+              "stage of KimiK3ForCausalLM.decode_stages (bank a plain tuple)",
+    "no_mask": "the same step with mask None: what a step without padding launches where the host drops the mask",
+    "growing_cache": "the earlier tp_sim step: a growing KimiK3Cache (bench.common.decode_cache), mask None, "
+                     "positions from the cache",
+}
 
 # Public figures, none measured here. Each all-reduce of `bytes` costs latency + 2(N-1)/N * bytes / bus_bandwidth
-# (nccl-tests' busbw convention, ring). The decode messages here are 14 KB to 2.6 MB, far below the sizes where busbw
-# saturates, so the latency term dominates; the ranges give optimistic / pessimistic predictions.
-ALL_REDUCE_MODELS = {
-    "nvlink_h200": {
-        "latency_us": 15.0,
-        "latency_us_range": [5.0, 20.0],
-        "bus_bandwidth_GBps": 370.0,
-        "bus_bandwidth_GBps_range": [360.0, 480.0],
-        "link": "NVLink 4 through NVSwitch, 900 GB/s bidirectional (450 GB/s each way) per GPU",
-        "source": "Link: NVIDIA H200 Tensor Core GPU datasheet (NVLink 900 GB/s). Bus bandwidth: nccl-tests "
-                  "all_reduce_perf on 8 x H100 SXM (the NVLink 4 / NVSwitch fabric of HGX H200), large messages: "
-                  "ring 365-370 GB/s, NVLS ~480 GB/s (github.com/NVIDIA/nccl/issues/1455). Latency: NCCL's own "
-                  "tuner model for ring + LL on one node, base 6.6 us + 2(N-1) = 14 steps x 0.6 us (NVLink) = 15.0 "
-                  "us at N = 8 (NVIDIA/nccl src/graph/tuning.cc, commit 5067397); nccl-tests with CUDA graphs show "
-                  "~6 us at 2 GPUs with NVLS (NVIDIA/nccl issue 1259) and ~2.3 us tuned with NCCL 2.27 symmetric "
-                  "memory on 8 x H200 (NVIDIA/nccl issue 1940): range 5-20 us. Public figures, not measured here.",
-    },
-    "pcie_rtx6000": {
-        "latency_us": 20.6,
-        "latency_us_range": [20.0, 30.0],
-        "bus_bandwidth_GBps": 40.0,
-        "bus_bandwidth_GBps_range": [35.0, 50.0],
-        "link": "PCIe 5.0 x16, no NVLink (RTX PRO 6000 Blackwell): 63 GB/s each way by the PCIe 5 spec",
-        "source": "Link: NVIDIA RTX PRO 6000 Blackwell product specifications (PCIe 5.0 x16, no NVLink). Bus "
-                  "bandwidth: nccl-tests busbw 35-45 GB/s on 8 x H100 PCIe without NVSwitch (docs.alayanew.com, "
-                  "'NCCL-tests in practice', 2026-05-06), up to ~50 GB/s for the link itself. Latency: NCCL's tuner "
-                  "model, ring + LL, base 6.6 us + 14 steps x 1.0 us (PCIe) = 20.6 us (NVIDIA/nccl "
-                  "src/graph/tuning.cc, commit 5067397); more where the 8 GPUs span two CPU sockets: range 20-30 "
-                  "us. Public figures, not measured here.",
-    },
+# (nccl-tests' busbw convention, ring). The decode messages are 14 KB to 320 KB, far below the sizes where busbw
+# saturates, so the latency term dominates; it is the variable timed (AR_LATENCIES_US).
+ALL_REDUCE_MODEL = {
+    "bus_bandwidth_GBps": 370.0,
+    "link": "NVLink 4 through NVSwitch, 900 GB/s bidirectional (450 GB/s each way) per GPU",
+    "source": "Link: NVIDIA H200 Tensor Core GPU datasheet (NVLink 900 GB/s). Bus bandwidth: nccl-tests "
+              "all_reduce_perf on 8 x H100 SXM (the NVLink 4 / NVSwitch fabric of HGX H200), large messages: ring "
+              "365-370 GB/s (github.com/NVIDIA/nccl/issues/1455). Latency 15 us: NCCL's own tuner model for ring + "
+              "LL on one node, base 6.6 us + 2(N-1) = 14 steps x 0.6 us (NVLink) at N = 8 (NVIDIA/nccl "
+              "src/graph/tuning.cc, commit 5067397). 6 us: a one-shot all-reduce of 14-43 KB over P2P in a graph "
+              "(SGLang's custom all-reduce 5.7-7.8 us at 4-32 KB on 8 x H100, sgl-project/sglang PR 2904; NCCL 2.27 "
+              "symmetric-memory kernels ~2-5 us, NVIDIA/nccl issue 1940). Public figures, not measured here.",
 }
 # The all-reduces of each module kind under tensor_parallel.py's plan (its call sites): what the recorded calls are
 # checked against.
@@ -96,13 +99,6 @@ PLAN_ALL_REDUCES = {
     "head": ["embed_tokens (VocabParallelEmbedding)", "lm_head logits, whole vocabulary (_gather_vocab hook)"],
 }
 PLAN_ALL_REDUCES["mla_moe"] = PLAN_ALL_REDUCES["kda_moe"]
-# The prediction of each interconnect: the H200 per-rank times with that model's all-reduces.
-PREDICTION_NAMES = {"nvlink_h200": "h200_nvlink", "pcie_rtx6000": "rtx6000_pcie"}
-# Memory bandwidth (public spec figures) for a rough RTX PRO 6000 estimate: the H200 per-rank times scaled by the
-# bandwidth ratio, decode being mostly bandwidth-bound. Only a sanity check against the card's measured figure.
-MEMORY_BANDWIDTH_TBps = {"h200": 4.8, "rtx_pro_6000": 1.792}
-MEMORY_BANDWIDTH_SOURCE = ("NVIDIA H200 datasheet (4.8 TB/s HBM3e); NVIDIA RTX PRO 6000 Blackwell specifications "
-                           "(1,792 GB/s GDDR7)")
 # Widths for --quick (a dry run of the same code at tiny shapes: every TP8 split still even).
 TINY_TEXT = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=64, routed_expert_hidden_size=64,
                  num_experts=32, num_experts_per_token=4, num_attention_heads=16, num_key_value_heads=16,
@@ -122,16 +118,22 @@ HIT_METHOD = (
 
 
 class AllReduceStandIn:
-    """Stands in for `tensor_parallel.all_reduce` in this one process: returns its input unchanged and, inside
-    `record`, notes each call's message (shape, dtype, bytes)."""
+    """Stands in for `tensor_parallel.all_reduce` in this one process: returns its input unchanged; with
+    `latency_us` set and a CUDA input, first enqueues a `torch.cuda._sleep` kernel of the call's modelled length
+    (`all_reduce_us`) on the current stream, where the collective would run; inside `record`, notes each call's
+    message (shape, dtype, bytes)."""
 
     def __init__(self):
         self.calls = None
+        self.latency_us = 0.0
+        self.cycles_per_us = None  # set by `calibrate`
 
     def __call__(self, x, group=None):
+        size = x.numel() * x.element_size()
         if self.calls is not None:
-            self.calls.append({"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
-                               "bytes": x.numel() * x.element_size()})
+            self.calls.append({"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch."), "bytes": size})
+        if self.latency_us and x.is_cuda:
+            torch.cuda._sleep(max(1, round(all_reduce_us(size, self.latency_us) * self.cycles_per_us)))
         return x
 
     def record(self, fn):
@@ -143,8 +145,29 @@ class AllReduceStandIn:
         finally:
             self.calls = None
 
+    def calibrate(self):
+        """Cycles a µs of `torch.cuda._sleep` on this GPU: the slope between two lengths, timed with events (the
+        launch cost cancels); then the length one modelled 6 µs delay replays at from a graph of it alone."""
+        def us(cycles):
+            return time_ms(lambda: torch.cuda._sleep(cycles), 10, warmup=3) * 1e3
+
+        short, long = 100_000, 1_000_000
+        self.cycles_per_us = (long - short) / (us(long) - us(short))
+        self.latency_us = 6.0
+        try:
+            graph, _ = graph_of(lambda: self(torch.empty(0, device="cuda")), lambda: None)
+            replayed_us = time_ms(graph.replay, 20, warmup=3) * 1e3
+        finally:
+            self.latency_us = 0.0
+        return {"cycles_per_us": self.cycles_per_us, "graph_of_one_6us_delay_us": replayed_us}
+
 
 STAND_IN = AllReduceStandIn()
+
+
+def all_reduce_us(size, latency_us):
+    """Modelled µs of an all-reduce of `size` bytes over TP ranks: latency + the ring's bytes term."""
+    return latency_us + 2 * (TP - 1) / TP * size / (ALL_REDUCE_MODEL["bus_bandwidth_GBps"] * 1e3)
 
 
 def load_config(tiny):
@@ -206,6 +229,82 @@ def time_step(fn, reset, reps):
     return {"ms": time_ms(fn, reps, setup=reset), "mode": "eager"}
 
 
+def kernels_per_replay(graph, replays):
+    """The kernels one replay of `graph` launches, from `torch.profiler` over `replays` replays (CUPTI sees the
+    kernels a graph launches): {"kernels": count without the all-reduce delays, "all_reduce_delays": their count,
+    "memsets_copies": memset / memcpy nodes, "by_name": kernels by name}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        sync()
+    names = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    delays = sum(n for name, n in names.items() if "spin_kernel" in name)
+    copies = sum(n for name, n in names.items() if name.startswith(("Memset", "Memcpy")))
+    kernels = {name: n / replays for name, n in names.most_common()
+               if "spin_kernel" not in name and not name.startswith(("Memset", "Memcpy"))}
+    return {"kernels": sum(kernels.values()), "all_reduce_delays": delays / replays,
+            "memsets_copies": copies / replays, "by_name": kernels}
+
+
+# Leaf aten ops that launch no kernel on CUDA (views, metadata, allocation): left out of the CPU count.
+NO_KERNEL_OPS = {"aten::" + name for name in (
+    "empty", "empty_strided", "empty_like", "view", "reshape", "_reshape_alias", "_unsafe_view", "as_strided", "t",
+    "transpose", "permute", "expand", "expand_as", "unsqueeze", "squeeze", "slice", "select", "detach", "alias",
+    "split", "split_with_sizes", "unbind", "chunk", "narrow", "flatten", "unflatten", "view_as", "lift_fresh",
+    "resolve_conj", "resolve_neg", "contiguous", "to", "numpy_T", "mT", "diagonal", "result_type", "item",
+    "_local_scalar_dense", "is_nonzero", "broadcast_tensors")}
+
+
+def ops_per_step(fn, reset):
+    """On the CPU, the kernels a step would launch, counted as the leaf aten ops of one eager `fn()` (the profiler's
+    ops without children) other than NO_KERNEL_OPS: a proxy for the CUDA count (the CPU runs the reference ops,
+    not the Triton kernels), which shows ops added or removed by a change."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = collections.Counter(e.name for e in prof.events()
+                                if not e.cpu_children and e.name.startswith("aten::") and e.name not in NO_KERNEL_OPS)
+    return {"kernels": sum(names.values()), "memsets_copies": 0, "by_name": dict(names.most_common()),
+            "method": "CPU: leaf aten ops but views, metadata and allocation (a proxy for CUDA kernels)"}
+
+
+def time_all_reduce_lengths(fn, reset, reps, latencies=AR_LATENCIES_US, counted_at=COUNTED_AT_US):
+    """Median ms of `fn()` with its all-reduces as delays of each of AR_LATENCIES_US (CUDA graph replays) and the
+    kernels of a replay at `counted_at`. On the CPU one eager timing, to which each length's modelled all-reduces
+    are added serially (a dry run of the code path)."""
+    key = "{:g}".format
+    if common.DEVICE != "cuda":
+        calls = STAND_IN.record(fn)
+        reset()
+        ms = time_ms(fn, reps, setup=reset)
+        return {"mode": "eager + modelled all-reduces added serially",
+                "kernels": dict(ops_per_step(fn, reset), all_reduce_delays=len(calls)),
+                "ms": {key(lat): ms + sum(all_reduce_us(c["bytes"], lat) for c in calls) * 1e-3 if lat else ms
+                       for lat in latencies}}
+    out = {"mode": "cuda_graph, all-reduces as in-graph delays", "ms": {}, "kernels": None}
+    for lat in latencies:
+        STAND_IN.latency_us = lat
+        try:
+            graph, _ = graph_of(fn, reset)
+        finally:
+            STAND_IN.latency_us = 0.0
+        graph.replay()
+        sync()
+        out["ms"][key(lat)] = time_ms(graph.replay, reps)
+        if lat == counted_at:
+            try:
+                out["kernels"] = kernels_per_replay(graph, 5)
+            except Exception as err:  # the profiler is a diagnostic: its failure leaves the timings standing
+                out["kernels"] = {"error": repr(err)[:300]}
+        del graph
+    return out
+
+
 def hits_per_rank(ids, experts_per_rank, ranks):
     """Distinct experts among router ids (global) that each of `ranks` ranks holds, experts_per_rank each."""
     return torch.bincount(ids.unique() // experts_per_rank, minlength=ranks).tolist()
@@ -243,15 +342,64 @@ def swap_router_blocks(gate, a, b, per_rank):
             p[rows_b] = saved
 
 
-def decode_step(text, layer, batch, seed, context):
-    """A decode step of `layer` at `batch` (inputs and cache from `seed`, `context` cached MLA latents): (step,
-    reset, state bytes)."""
-    cache, reset, state_bytes = decode_cache(text, layer, batch, seed, context)
+def decode_stage(layer):
+    """The layer's stage of `KimiK3ForCausalLM.decode_stages`, what the decode graph runs for it: taken from that
+    method on a one-layer stand-in model, so that the timed call is the graph's own."""
+    text = SimpleNamespace(embed_tokens=layer, layers=[layer], norm=layer, output_mix=None)
+    stages = KimiK3ForCausalLM.decode_stages(SimpleNamespace(language_model=SimpleNamespace(model=text,
+                                                                                            lm_head=layer)))
+    return stages[1][1]
+
+
+def static_cache(text, layer, batch, seed, context):
+    """A `KimiK3StaticCache` of `context` + 1 tokens after `context` of them, holding `layer`'s random state (KDA:
+    recurrent state and conv histories; MLA: `context` latents). Returns (cache, reset: puts the KDA state back
+    (an MLA step writes only its own slot), bytes the step reads and writes of it)."""
+    gen = torch.Generator(device=common.DEVICE).manual_seed(seed)
+    cache = KimiK3StaticCache(text, batch, context + 1)
+    own, attn = cache.layers[layer.layer_idx], layer.self_attn
+    if isinstance(attn, KimiK3DeltaAttention):
+        width = attn.num_heads * attn.head_dim
+        conv = tuple(torch.randn(batch, width, 3, device=common.DEVICE, generator=gen, dtype=torch.bfloat16)
+                     for _ in range(3))
+        state = torch.randn(batch, attn.num_heads, attn.head_dim, attn.head_dim, device=common.DEVICE,
+                            generator=gen) * 0.02
+        own.update(conv, state)  # allocates the static buffers; later calls copy into them
+
+        def reset():
+            own.update(conv, state)
+
+        state_bytes = 2 * nbytes([state]) + 2 * nbytes(conv)
+    else:
+        own.latent = torch.randn(batch, context + 1, attn.kv_lora_rank + attn.rope_dim, device=common.DEVICE,
+                                 generator=gen, dtype=torch.bfloat16)
+
+        def reset():
+            pass
+
+        state_bytes = nbytes([own.latent])
+    cache.seen_tokens = context
+    return cache, reset, state_bytes
+
+
+def make_step(variant, text, layer, batch, seed, context):
+    """One decode step of `layer` at `batch` as VARIANTS[variant] runs it (inputs and cache from `seed`, after
+    `context` tokens): (step, reset, bytes of cache state it reads and writes)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}: one of {list(VARIANTS)}")
     gen = torch.Generator(device=common.DEVICE).manual_seed(seed)
     bank = tuple(torch.randn(batch, 1, text.hidden_size, device=common.DEVICE, generator=gen, dtype=torch.bfloat16)
                  for _ in range(BANK_ROWS))
     partial = torch.randn(batch, 1, text.hidden_size, device=common.DEVICE, generator=gen, dtype=torch.bfloat16)
-    return (lambda: layer(bank, partial, None, cache)[1]), reset, state_bytes
+    if variant == "growing_cache":
+        cache, reset, state_bytes = decode_cache(text, layer, batch, seed, context)
+        return (lambda: layer(bank, partial, None, cache)[1]), reset, state_bytes
+    cache, reset, state_bytes = static_cache(text, layer, batch, seed, context)
+    mask, positions = cache.prepare(None, batch, 1, common.DEVICE)
+    if variant == "no_mask":
+        mask = None
+    stage = decode_stage(layer)
+    return (lambda: stage((*bank, partial), mask, positions, cache)[-1]), reset, state_bytes
 
 
 def routing_of(layer, step, reset):
@@ -272,7 +420,7 @@ def make_rank0_busiest(text, layer, batch, target, seeds, context):
     per_rank = moe.num_experts
     best = None
     for seed in seeds:
-        step, reset, _ = decode_step(text, layer, batch, seed, context)
+        step, reset, _ = make_step("decode", text, layer, batch, seed, context)
         hits = hits_per_rank(routing_of(layer, step, reset), per_rank, TP)
         if best is None or abs(max(hits) - target) < abs(max(best[1]) - target):
             best = (seed, hits)
@@ -283,9 +431,10 @@ def make_rank0_busiest(text, layer, batch, target, seeds, context):
     return seed, hits
 
 
-def measure_layer(text, layer, batch, seed, reps, copy_bw, context):
-    """One decode step of `layer`: its all-reduces (one eager step), experts hit, bytes and floor, median ms."""
-    step, reset, state_bytes = decode_step(text, layer, batch, seed, context)
+def measure_layer(text, layer, batch, seed, args, variants, latencies=AR_LATENCIES_US):
+    """One decode step of `layer` in each of `variants`: its all-reduces (one eager step), experts hit, bytes and
+    floor, then per variant the median ms at each all-reduce length and the kernels a replay launches."""
+    step, reset, state_bytes = make_step("decode", text, layer, batch, seed, args.context)
     res = {"input_seed": seed}
     param_bytes = non_expert_bytes(layer)
     moe = getattr(layer, "block_sparse_moe", None)
@@ -297,8 +446,12 @@ def measure_layer(text, layer, batch, seed, reps, copy_bw, context):
     reset()
     res["all_reduces"] = STAND_IN.record(step)
     res["bytes"] = param_bytes + state_bytes
-    res["floor_ms"] = res["bytes"] / copy_bw * 1e3
-    res.update(time_step(step, reset, reps))
+    res["floor_ms"] = res["bytes"] / args.copy_bw * 1e3
+    res["variants"] = {}
+    for variant in variants:
+        step, reset, _ = make_step(variant, text, layer, batch, seed, args.context)
+        counted_at = COUNTED_AT_US if COUNTED_AT_US in latencies else latencies[0]
+        res["variants"][variant] = time_all_reduce_lengths(step, reset, args.reps, latencies, counted_at)
     return res
 
 
@@ -320,7 +473,7 @@ def measure_head(language, text, batch, reps, copy_bw):
     others = [p for n, p in language.named_parameters() if not n.startswith("model.embed_tokens.")]
     res["bytes"] = nbytes(others) + batch * text.hidden_size * 2  # + the embedding rows looked up
     res["floor_ms"] = res["bytes"] / copy_bw * 1e3
-    res.update(time_step(step, lambda: None, reps))
+    res.update(time_all_reduce_lengths(step, lambda: None, reps))
     return res
 
 
@@ -350,19 +503,6 @@ def experts_call_sweep(moe, batch, reps, seed):
     return out
 
 
-def all_reduce_ms(messages, model, latency_us=None, bandwidth_GBps=None):
-    """Modelled ms of `messages` (recorded all-reduces) under one ALL_REDUCE_MODELS entry."""
-    lat = model["latency_us"] if latency_us is None else latency_us
-    bw = model["bus_bandwidth_GBps"] if bandwidth_GBps is None else bandwidth_GBps
-    return sum(lat * 1e-3 + 2 * (TP - 1) / TP * m["bytes"] / (bw * 1e9) * 1e3 for m in messages)
-
-
-def all_reduce_ms_range(messages, model):
-    """(optimistic, pessimistic) modelled ms: lowest latency with highest bandwidth, and the reverse."""
-    (lat_lo, lat_hi), (bw_lo, bw_hi) = model["latency_us_range"], model["bus_bandwidth_GBps_range"]
-    return all_reduce_ms(messages, model, lat_lo, bw_hi), all_reduce_ms(messages, model, lat_hi, bw_lo)
-
-
 def single_gpu_reference():
     """The single-GPU decode TPOT extrapolated from one layer of each kind (bench.layer's H200 run)."""
     path = os.path.join(common.ROOT, SINGLE_GPU_RESULTS)
@@ -375,49 +515,39 @@ def single_gpu_reference():
 
 
 def predict(results):
-    """TP8 TPOT: every layer and the head at its per-rank time plus its modelled all-reduces."""
-    counts = results["config"]["layer_counts"]
-    per_rank, full, messages = results["per_rank_layer_ms"], results["full_layer_ms"], results["all_reduces_per_layer"]
+    """TP8 TPOT per variant and all-reduce length: every layer and the head at its per-rank step time, the
+    all-reduces inside it; the aggregate tokens/s of the largest batch's sequences."""
+    counts, variants = results["config"]["layer_counts"], results["config"]["variants"]
+    per_rank, full = results["per_rank_layer_ms"], results["full_layer_ms"]
     parts = list(counts) + ["head"]
-    missing = [p for p in parts if any(str(b) not in per_rank.get(p, {}) or str(b) not in full.get(p, {})
-                                       for b in BATCHES)]
+    weight = dict(counts, head=1)
+    batches = [str(b) for b in BATCHES]
+    missing = [p for p in parts if any(b not in per_rank.get(p, {}) or b not in full.get(p, {}) for b in batches)]
     if missing:
         return {"skipped": f"not measured: {missing}"}
-    weight = dict(counts, head=1)
-    ratio = MEMORY_BANDWIDTH_TBps["h200"] / MEMORY_BANDWIDTH_TBps["rtx_pro_6000"]
-    tpot, tpot_range, comm, compute, full_tpot = {}, {}, {}, {}, {}
-    for b in map(str, BATCHES):
-        compute[b] = sum(weight[p] * per_rank[p][b] for p in parts)
-        full_tpot[b] = sum(weight[p] * full[p][b] for p in parts)
-        for net, model in ALL_REDUCE_MODELS.items():
-            ms = sum(weight[p] * all_reduce_ms(messages[p][b]["messages"], model) for p in parts)
-            lo, hi = (sum(weight[p] * all_reduce_ms_range(messages[p][b]["messages"], model)[i] for p in parts)
-                      for i in (0, 1))
-            comm.setdefault(net, {})[b] = ms
-            name = PREDICTION_NAMES[net]
-            tpot.setdefault(name, {})[b] = compute[b] + ms
-            tpot_range.setdefault(name, {})[b] = [compute[b] + lo, compute[b] + hi]
-        tpot.setdefault("rtx6000_pcie_memory_scaled", {})[b] = compute[b] * ratio + comm["pcie_rtx6000"][b]
+
+    def ms(part, b, variant, lat):  # the head runs the same in every variant
+        row = per_rank[part][b]
+        return row.get(variant, row["decode"])[lat]
+
+    by_variant = {}
+    for variant in variants:
+        for lat in ("{:g}".format(x) for x in AR_LATENCIES_US):
+            tpot = {b: sum(weight[p] * ms(p, b, variant, lat) for p in parts) for b in batches}
+            by_variant.setdefault(variant, {})[lat] = {
+                "tpot_ms": tpot, "tok_s_b1": 1e3 / tpot["1"],
+                "aggregate_tok_s": {b: int(b) * 1e3 / v for b, v in tpot.items()}}
+    messages = results["all_reduces_per_layer"]
     return {
-        "tpot_ms": tpot,
-        "tpot_ms_range": tpot_range,
-        "tok_s": {name: {b: 1e3 / v for b, v in row.items()} for name, row in tpot.items()},
-        "tok_s_aggregate": {name: {b: int(b) * 1e3 / v for b, v in row.items()} for name, row in tpot.items()},
-        "per_rank_compute_ms": compute,
-        "all_reduce_ms_per_token": comm,
+        "by_variant": by_variant,
         "all_reduces_per_token": {b: sum(weight[p] * len(messages[p][b]["messages"]) for p in parts)
-                                  for b in map(str, BATCHES)},
-        "same_run_full_width_tpot_ms": full_tpot,
-        "speedup_vs_same_run_full_width": {b: full_tpot[b] / tpot["h200_nvlink"][b] for b in full_tpot},
-        "notes": "tpot = sum over layers (count x (per-rank graph ms + modelled all-reduce ms)) + head. The "
-                 "all-reduces are added serially (none overlapped, though the shared experts' one sits on a side "
-                 "stream), and only GPU time counts: no host or scheduler time a serving engine adds per step, no "
-                 "sampling. h200_nvlink and rtx6000_pcie both use the H200 per-rank times: rtx6000_pcie isolates the "
-                 "interconnect; rtx6000_pcie_memory_scaled also scales the per-rank times by the memory bandwidth "
-                 f"ratio {ratio:.2f} (MEMORY_BANDWIDTH_TBps: {MEMORY_BANDWIDTH_SOURCE}), a rough sanity check "
-                 "against the card's measured figure only (other GPU, other kernels). same_run_full_width_tpot_ms: "
-                 "the unsharded layers of this run summed the same way, what a device_map split over 8 GPUs runs "
-                 "(one GPU at a time; its 7 hops left out).",
+                                  for b in batches},
+        "same_run_full_width_tpot_ms": {b: sum(weight[p] * full[p][b] for p in parts) for b in batches},
+        "notes": "tpot = sum over layer kinds (count x rank 0's graph-replayed step, all-reduces inside as delay "
+                 "kernels of the given µs) + head; keys of each variant: the all-reduce µs (0 = compute only). "
+                 "Only GPU time counts: no host or scheduler time a serving engine adds per step, no sampling, no "
+                 "rank skew. same_run_full_width_tpot_ms: the unsharded layers of this run summed the same way, "
+                 "what a device_map split over 8 GPUs runs (one GPU at a time; its 7 hops left out).",
     }
 
 
@@ -428,9 +558,27 @@ def record_all_reduces(results, kind, batch, calls):
         "messages": calls}
 
 
+def record_timings(results, kind, batch, timings):
+    """A rank's timings of `kind` at `batch` ({variant: time_all_reduce_lengths' result}) into the summaries."""
+    b = str(batch)
+    results["per_rank_layer_ms"].setdefault(kind, {})[b] = {v: t["ms"] for v, t in timings.items()}
+    results["kernels_per_layer"].setdefault(kind, {})[b] = {
+        v: {k: n for k, n in (t["kernels"] or {}).items() if k != "by_name"} or None for v, t in timings.items()}
+
+
+def describe(ms, kernels):
+    """'0.275 / 0.293 / 0.320 ms, 46 kernels + 3 ARs' for one variant's timings."""
+    times = " / ".join(f"{v:.3f}" for v in ms.values())
+    if not kernels:
+        return f"{times} ms"
+    if "error" in kernels:
+        return f"{times} ms (kernels: {kernels['error'][:60]})"
+    return f"{times} ms, {kernels['kernels']:.0f} kernels + {kernels['all_reduce_delays']:.0f} ARs"
+
+
 def run_layer(kind, index, text, args, results, save):
-    """Whole, then rank 0's shard of, decoder layer `index`: decode steps at each batch (and, for the first MoE
-    layer, the router's hit statistics and the rank's experts call against its hits)."""
+    """Whole, then rank 0's shard of, decoder layer `index`: decode steps at each batch in each variant (and, for
+    the first MoE layer, the router's hit statistics and the rank's experts call against its hits)."""
     entry = results["layers"].setdefault(kind, {"layer_idx": index})
     t0 = time.time()
     layer = build_layer(text, index, seed=index)
@@ -442,11 +590,14 @@ def run_layer(kind, index, text, args, results, save):
                                for b in BATCHES}
         hit["router_stats_layer"] = kind
     for b in BATCHES:
-        r = measure_layer(text, layer, b, seed=b, reps=args.reps, copy_bw=args.copy_bw, context=args.context)
+        r = measure_layer(text, layer, b, seed=b, args=args, variants=["decode"], latencies=(0.0,))
         entry.setdefault("full", {})[str(b)] = r
-        results["full_layer_ms"].setdefault(kind, {})[str(b)] = r["ms"]
-        print(f"[{kind}] full b{b}: {r['ms']:.3f} ms ({r['mode']}), floor {r['floor_ms']:.3f}"
-              + (f", experts hit {r['experts_hit']}" if moe is not None else ""), flush=True)
+        decode = r["variants"]["decode"]
+        results["full_layer_ms"].setdefault(kind, {})[str(b)] = decode["ms"]["0"]
+        results["full_kernels_per_layer"].setdefault(kind, {})[str(b)] = {
+            k: n for k, n in (decode["kernels"] or {}).items() if k != "by_name"} or None
+        print(f"[{kind}] full b{b}: {describe(decode['ms'], decode['kernels'])} ({decode['mode']}), floor "
+              f"{r['floor_ms']:.3f}" + (f", experts hit {r['experts_hit']}" if moe is not None else ""), flush=True)
         save()
     shard_rank0(layer)
     for b in BATCHES:
@@ -454,18 +605,20 @@ def run_layer(kind, index, text, args, results, save):
         if moe is not None:
             target = round(hit["router_stats"][str(b)]["max_over_ranks"]["mean"])
             seed, _ = make_rank0_busiest(text, layer, b, target, range(100, 100 + args.candidates), args.context)
-        r = measure_layer(text, layer, b, seed=seed, reps=args.reps, copy_bw=args.copy_bw, context=args.context)
+        r = measure_layer(text, layer, b, seed=seed, args=args, variants=args.variants)
         entry.setdefault("rank0_of_8", {})[str(b)] = r
-        results["per_rank_layer_ms"].setdefault(kind, {})[str(b)] = r["ms"]
+        record_timings(results, kind, b, r["variants"])
         record_all_reduces(results, kind, b, r["all_reduces"])
         if moe is not None:
             hit.setdefault("timed", {}).setdefault(kind, {})[str(b)] = {
                 "target_max_over_ranks": target, "rank0_experts_hit": r["experts_hit"],
                 "hits_per_rank": r["experts_hit_per_rank"], "input_seed": seed}
-        print(f"[{kind}] rank 0 of {TP} b{b}: {r['ms']:.3f} ms ({r['mode']}), floor {r['floor_ms']:.3f}, "
-              f"{len(r['all_reduces'])} all-reduces ({sum(m['bytes'] for m in r['all_reduces'])} B)"
+        print(f"[{kind}] rank 0 of {TP} b{b}, floor {r['floor_ms']:.3f} ms, {len(r['all_reduces'])} all-reduces "
+              f"({sum(m['bytes'] for m in r['all_reduces'])} B)"
               + (f", experts hit {r['experts_hit']} (per rank {r['experts_hit_per_rank']})" if moe is not None
                  else ""), flush=True)
+        for variant, t in r["variants"].items():
+            print(f"    {variant:14s} AR {'/'.join(t['ms'])} µs: {describe(t['ms'], t['kernels'])}", flush=True)
         save()
     if moe is not None and "experts_call_ms" not in hit:
         hit["experts_call_ms"] = {str(b): experts_call_sweep(moe, b, args.reps, seed=31 + b) for b in BATCHES}
@@ -485,52 +638,60 @@ def run_head(config, args, results, save):
         for b in BATCHES:
             r = measure_head(language, text, b, args.reps, args.copy_bw)
             entry.setdefault(name, {})[str(b)] = r
-            summary = results["per_rank_layer_ms" if sharded else "full_layer_ms"]
-            summary.setdefault("head", {})[str(b)] = r["ms"]
             if sharded:
+                record_timings(results, "head", b, {"decode": r})
                 record_all_reduces(results, "head", b, r["all_reduces"])
-            print(f"[head] {name} b{b}: {r['ms']:.3f} ms ({r['mode']}), floor {r['floor_ms']:.3f}, "
-                  f"{len(r['all_reduces'])} all-reduces", flush=True)
+            else:
+                results["full_layer_ms"].setdefault("head", {})[str(b)] = r["ms"]["0"]
+            print(f"[head] {name} b{b}: {describe(r['ms'], r['kernels'])} ({r['mode']}), floor "
+                  f"{r['floor_ms']:.3f}, {len(r['all_reduces'])} all-reduces", flush=True)
             save()
 
 
 def print_summary(results):
     print(f"\n=== Kimi K3 at TP{TP}, one rank's share timed on {results['device']} ===")
+    lengths = "/".join("{:g}".format(x) for x in AR_LATENCIES_US)
+    print(f"rank 0's step, ms with all-reduces of {lengths} µs in the graph; kernels a replay launches")
     counts = results["config"]["layer_counts"]
-    nan = float("nan")
     for kind in list(counts) + ["head"]:
-        rank, full = results["per_rank_layer_ms"].get(kind, {}), results["full_layer_ms"].get(kind, {})
-        row = " | ".join(f"b{b}: rank {rank.get(b, nan):.3f} ms vs whole {full.get(b, nan):.3f} ms "
-                         f"({full.get(b, nan) / rank.get(b, nan):.1f}x)" for b in map(str, BATCHES))
-        n = results["all_reduces_per_layer"].get(kind, {}).get("1", {}).get("count", "?")
-        print(f"{kind:8s} x{counts.get(kind, 1):2d}: {row} | {n} all-reduces")
+        for b, row in results["per_rank_layer_ms"].get(kind, {}).items():
+            kernels = results["kernels_per_layer"].get(kind, {}).get(b, {})
+            full = results["full_layer_ms"].get(kind, {}).get(b)
+            whole = results["full_kernels_per_layer"].get(kind, {}).get(b)
+            print(f"{kind:8s} x{counts.get(kind, 1):2d} b{b}: whole {full:.3f} ms"
+                  + (f" ({whole['kernels']:.0f} kernels)" if whole and "kernels" in whole else ""))
+            for variant, ms in row.items():
+                print(f"    {variant:14s} {describe(ms, kernels.get(variant))}")
     stats = results["experts_hit_per_rank"].get("router_stats", {})
     for b, s in stats.items():
         print(f"experts hit per rank (random router), b{b}: mean {s['per_rank_mean']:.1f}, busiest rank mean "
               f"{s['max_over_ranks']['mean']:.1f} (p90 {s['max_over_ranks']['p90']:.0f}); all ranks "
               f"{s['distinct_experts_total_mean']:.1f} distinct")
     p = results.get("predicted", {})
-    if "tpot_ms" in p:
-        for name, row in p["tpot_ms"].items():
-            rng = p["tpot_ms_range"].get(name, {})
-            print(f"predicted TPOT {name:26s}: " + " | ".join(
-                f"b{b} {v:.1f} ms ({p['tok_s'][name][b]:.1f} tok/s)"
-                + (f" [{rng[b][0]:.1f}-{rng[b][1]:.1f}]" if b in rng else "") for b, v in row.items()))
-        def ms(row):
-            return " / ".join(f"{v:.2f}" if v is not None else "n/a" for v in (row or {}).values()) + " ms"
-
-        comm = ", ".join(f"{net} {ms(row)}" for net, row in p["all_reduce_ms_per_token"].items())
-        print(f"b1 / b8: per-rank compute {ms(p['per_rank_compute_ms'])}; modelled all-reduces a token "
-              f"({p['all_reduces_per_token']['1']}): {comm}")
-        ref = results["reference"]
-        print(f"b1 / b8: this run's whole layers summed (device_map-like) {ms(p['same_run_full_width_tpot_ms'])}; "
-              f"single-GPU extrapolation ({SINGLE_GPU_RESULTS}) {ms(ref['device_map_tpot_ms'])}; card (SGLang TP8, "
-              f"8 x RTX 6000) {ref['card_sglang_tp8_tpot_ms']} ms at b1")
-        print(f"goal: TP8 TPOT <= {GOAL_TPOT_MS_B1} ms at batch 1 on 8 x H200 -> "
-              f"{'met' if results['goal_met'] else 'NOT met'} ({p['tpot_ms']['h200_nvlink']['1']:.1f} ms)"
-              + (" [dry run: tiny widths]" if results["config"]["tiny_widths"] else ""))
-    else:
+    if "by_variant" not in p:
         print(f"no prediction: {p.get('skipped')}")
+        print(f"elapsed {results.get('elapsed_s', 0):.0f} s")
+        return
+    big = str(BATCHES[-1])
+    print(f"predicted TP{TP} ({p['all_reduces_per_token']['1']} all-reduces a token at b1):")
+    for variant, by_lat in p["by_variant"].items():
+        for lat, row in by_lat.items():
+            print(f"    {variant:14s} AR {lat:>2s} µs: TPOT b1 {row['tpot_ms']['1']:.2f} ms ({row['tok_s_b1']:.1f} "
+                  f"tok/s), b{big} {row['tpot_ms'][big]:.2f} ms = {row['aggregate_tok_s'][big]:.0f} tok/s "
+                  f"aggregate")
+    full = p["same_run_full_width_tpot_ms"]
+    ref = results["reference"]
+    print(f"this run's whole layers summed (device_map-like): b1 {full['1']:.2f} ms, b{big} {full[big]:.2f} ms; "
+          f"single-GPU extrapolation ({SINGLE_GPU_RESULTS}): {ref['device_map_tpot_ms']}; card (SGLang TP8, "
+          f"8 x RTX 6000) {ref['card_sglang_tp8_tpot_ms']} ms at b1")
+    for lat, goal in GOAL_TPOT_MS_B1.items():
+        row = p["by_variant"]["decode"][lat]
+        print(f"goal (issue #44, 8 x H200): TPOT b1 <= {goal} ms at AR {lat} µs: "
+              f"{'met' if row['tpot_ms']['1'] <= goal else 'NOT met'} ({row['tpot_ms']['1']:.2f} ms); "
+              f">= {GOAL_TOK_S_B8:.0f} tok/s at b{big}: "
+              f"{'met' if row['aggregate_tok_s'][big] >= GOAL_TOK_S_B8 else 'NOT met'} "
+              f"({row['aggregate_tok_s'][big]:.0f})" + (" [dry run: tiny widths]" if results["config"]["tiny_widths"]
+                                                         else ""))
     print(f"elapsed {results.get('elapsed_s', 0):.0f} s")
 
 
@@ -540,8 +701,13 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true",
                         help="tiny widths and few repetitions: a dry run of the same code (e.g. on the CPU)")
-    parser.add_argument("--budget-s", type=float, default=300.0, help="skip the remaining sections once past this")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated steps to time side by side, 'decode' first: {', '.join(VARIANTS)}")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining sections once past this")
     args = parser.parse_args(argv)
+    args.variants = args.variants.split(",")
+    if args.variants[0] != "decode" or not set(args.variants) <= set(VARIANTS):
+        parser.error(f"--variants: 'decode' first, then any of {list(VARIANTS)}; got {args.variants}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu --quick for a dry run", file=sys.stderr)
         return 2
@@ -567,18 +733,20 @@ def main(argv=None):
             "experts_per_rank": text.num_experts // TP, "top_k": text.num_experts_per_token,
             "vocab_size": text.vocab_size, "layer_counts": counts, "timed_layer_idx": timed,
             "bank_rows": BANK_ROWS, "mla_context_tokens": args.context, "reps": args.reps,
+            "variants": args.variants, "variant_descriptions": {v: VARIANTS[v] for v in args.variants},
+            "all_reduce_us": list(AR_LATENCIES_US), "kernels_counted_at_all_reduce_us": COUNTED_AT_US,
             "fast_paths": str(resolve_fast_paths({}, args.device)),
             "fla_quick_tune": quick_tune,
             "all_reduce_stand_in": "tensor_parallel.all_reduce monkeypatched to an identity that records each call "
-                                   "(no NCCL, no process group): rank 0's partial sums stand for the reduced ones; "
-                                   "each call's cost comes from all_reduce_model",
+                                   "and enqueues a torch.cuda._sleep kernel of the modelled length on the current "
+                                   "stream (no NCCL, no process group): rank 0's partial sums stand for the reduced "
+                                   "ones",
             "versions": {"torch": torch.__version__, "triton": package_version("triton"),
                          "fla": package_version("fla-core")},
         },
-        "per_rank_layer_ms": {}, "full_layer_ms": {},
+        "per_rank_layer_ms": {}, "full_layer_ms": {}, "kernels_per_layer": {}, "full_kernels_per_layer": {},
         "experts_hit_per_rank": {"method": HIT_METHOD},
-        "all_reduce_model": dict(ALL_REDUCE_MODELS, formula="t = latency + 2(N-1)/N * bytes / bus_bandwidth, N = 8",
-                                 memory_bandwidth_TBps=MEMORY_BANDWIDTH_TBps),
+        "all_reduce_model": dict(ALL_REDUCE_MODEL, formula="t = latency + 2(N-1)/N * bytes / bus_bandwidth, N = 8"),
         "all_reduces_per_layer": {},
         "reference": {"device_map_tpot_ms": single_gpu_reference(),
                       "device_map_source": f"{SINGLE_GPU_RESULTS} extrapolation.b1/b8.graph.tpot_ms: 93 layers + LM "
@@ -587,7 +755,7 @@ def main(argv=None):
                       "card_sglang_tp8_tpot_ms": CARD["tpot_ms"],
                       "card_tok_s": CARD["tok_s"],
                       "card_source": f"README.md (model card): {CARD['setup']}"},
-        "goal_tpot_ms_b1": GOAL_TPOT_MS_B1,
+        "goals": {"tpot_ms_b1_by_all_reduce_us": GOAL_TPOT_MS_B1, "aggregate_tok_s_b8": GOAL_TOK_S_B8},
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "layers": {},
     }
@@ -598,6 +766,9 @@ def main(argv=None):
 
     args.copy_bw = copy_bandwidth(3 if args.quick else 10)
     results["copy_bandwidth_GBps"] = args.copy_bw / 1e9
+    if args.device == "cuda":
+        results["delay_kernel"] = STAND_IN.calibrate()
+        print(f"delay kernel: {results['delay_kernel']}", flush=True)
     save()
     sections = [(kind, lambda kind=kind: run_layer(kind, timed[kind], text, args, results, save)) for kind in timed]
     sections.append(("head", lambda: run_head(config, args, results, save)))
@@ -615,8 +786,9 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             save()
     results["predicted"] = predict(results)
-    tpot = results["predicted"].get("tpot_ms")
-    results["goal_met"] = tpot["h200_nvlink"]["1"] <= GOAL_TPOT_MS_B1 if tpot else None
+    by_variant = results["predicted"].get("by_variant")
+    results["goal_met"] = None if by_variant is None else {
+        lat: by_variant["decode"][lat]["tpot_ms"]["1"] <= goal for lat, goal in GOAL_TPOT_MS_B1.items()}
     save()
     print_summary(results)
     return 0
