@@ -802,7 +802,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ObserveError, OSError) as e:
         return fail("observe", e)
     except KeyboardInterrupt:
-        print(f"observe: interrupted; the report at {args.out} covers whole batches — continue with --resume",
+        covers = "the decoder layers it lists as done" if args.sequential else "whole batches"
+        print(f"observe: interrupted; the report at {args.out} covers {covers} — continue with --resume",
               file=sys.stderr)
         return 130
     p = report["progress"]

@@ -214,8 +214,9 @@ class CarriedState:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-        finally:
+        except BaseException:
             tmp.unlink(missing_ok=True)
+            raise
 
     def _read(self, path: Path) -> torch.Tensor:
         from safetensors.torch import load_file
@@ -326,6 +327,7 @@ class Job:
     stop_after_layer: int | None
     previous: dict | None
     progress: bool = True
+    threads: int = 1  # CPU threads of each CPU rank: the launching process's, so that its numerics are one process's
 
 
 def layer_plan(config) -> list[int]:
@@ -476,7 +478,7 @@ def _spawned(rank: int, job: Job, devices: list[str], init: str) -> None:
     import torch.distributed as dist
 
     if torch.device(devices[rank]).type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+        torch.set_num_threads(job.threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=len(devices))
     try:
         run_rank(job, rank, len(devices), devices[rank], local_world=len(devices))
@@ -503,9 +505,12 @@ def observe_sequential(job: Job, devices: list[str]) -> dict:
         return run_rank(job, 0, 1, devices[0])
     import torch.multiprocessing as mp
 
+    # CUDA needs fresh processes; CPU ranks are forked, which spares each one importing torch again
+    cpu_only = all(torch.device(d).type == "cpu" for d in devices) and not torch.cuda.is_initialized()
     rendezvous = tempfile.mkdtemp(prefix=".observe-pg-", dir=Path(job.out).absolute().parent)
     try:
-        mp.spawn(_spawned, args=(job, devices, f"file://{rendezvous}/store"), nprocs=len(devices))
+        mp.start_processes(_spawned, args=(job, devices, f"file://{rendezvous}/store"), nprocs=len(devices),
+                           start_method="fork" if cpu_only else "spawn")
     except mp.ProcessRaisedException as e:
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
         raise ObserveError(f"a worker failed: {lines[-1] if lines else e}") from None
@@ -561,10 +566,20 @@ def observe_cli(args, previous: dict | None) -> dict:
     sequences, calibration, pad_id = prepare_calibration(args, config)
     calibration["device_map"] = None
     model = describe_model(config, args.model, path_revision(directory), dtype)
+    scratch = args.scratch or args.out.with_name(args.out.name + ".scratch")
     if previous is not None:
         check_resumable(previous, model, calibration)
-    scratch = args.scratch or args.out.with_name(args.out.name + ".scratch")
-    if previous is None and scratch.exists():
+        was = {"batch_size": previous.get("calibration", {}).get("batch_size"),
+               "prefill_chunk": previous["sequential"].get("prefill_chunk")}
+        for key, now in (("batch_size", args.batch_size), ("prefill_chunk", args.prefill_chunk)):
+            if was[key] != now:
+                raise ObserveError(f"cannot resume: {key} was {was[key]!r}, now {now!r} (the carried state is kept "
+                                   f"per batch, and the report must equal one run's)")
+        done = previous["sequential"].get("layers_done") or []
+        if done and not scratch.is_dir():
+            raise ObserveError(f"cannot resume: the scratch folder {scratch} with the state after layer {done[-1]} "
+                               f"is missing (pass --scratch where it is)")
+    elif scratch.exists():
         raise ObserveError(f"{scratch}: the scratch folder exists (from an interrupted run?); pass --resume to "
                            f"continue it or remove it")
     batches = list(make_batches(sequences, args.batch_size, pad_id, args.padding_side))
@@ -576,7 +591,7 @@ def observe_cli(args, previous: dict | None) -> dict:
               out=str(args.out), scratch=str(scratch), dtype=str(dtype).removeprefix("torch."),
               max_host_bytes=None if args.max_host_gb is None else int(args.max_host_gb * GB),
               chunk=args.prefill_chunk, stop_after_layer=args.stop_after_layer, previous=previous,
-              progress=not args.no_progress)
+              progress=not args.no_progress, threads=torch.get_num_threads())
     return observe_sequential(job, devices)
 
 

@@ -70,6 +70,24 @@ def tiny_config(packed=True, **text_overrides):
     )
 
 
+def parent_text_config(**overrides):
+    """`tiny_text_config` in the parent's layout at tiny widths: a dense layer 0, KDA layers with an MLA layer every
+    fourth and the last two (1-based 4, 8, 9 of 9, as 4, 8, ..., 92, 93 of 93), attention-residual blocks of 3 (three
+    block snapshots, the output mix over four sources) and 16 routed experts, top-4."""
+    text = dict(num_hidden_layers=9, attn_res_block_size=3, num_experts=16, num_experts_per_token=4,
+                linear_attn_config=dict(num_heads=4, head_dim=16, full_attn_layers=[4, 8, 9],
+                                        kda_layers=[1, 2, 3, 5, 6, 7]))
+    text.update(overrides)
+    return tiny_text_config(**text)
+
+
+def write_parent_layout(dst, seed=0, max_shard_size="200KB", **text_overrides):
+    """A parent-layout tiny checkpoint (`parent_text_config`) as the parent ships: MXFP4 experts under their
+    per-expert names, several shards, the vision tower in a shard of its own."""
+    return write_checkpoint(dst, packed=True, seed=seed, max_shard_size=max_shard_size, vision=True,
+                            **parent_text_config(**text_overrides))
+
+
 def random_model(config, seed=0):
     """A randomly initialised model in eval mode; the router bias gets small random values so it matters."""
     torch.manual_seed(seed)
