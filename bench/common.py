@@ -179,8 +179,7 @@ def truncated(config, layers):
 
 
 def fill_experts(moe):
-    """Random MXFP4 packs (random bytes, scale codes 114..123) in the block's expert stacks; the per-expert packs
-    become views of those stacks."""
+    """Random MXFP4 packs (random bytes, scale codes 114..123) in the block's expert stacks."""
     stack = moe.stack_experts()
     for packed in (stack.w1, stack.w3, stack.w2):
         packed.random_(0, 256)
