@@ -330,6 +330,41 @@ class Job:
     threads: int = 1  # CPU threads of each CPU rank: the launching process's, so that its numerics are one process's
 
 
+def run_layer(layer, index: int, batches: list, mine: list[int], store: CarriedState, chunk: int | None,
+              block_size: int, embed: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Batches `mine` of `batches` through decoder layer `index` (built and loaded, on its device): each one's state
+    after layer index-1 from `store` (at layer 0, the embeddings `embed` of its ids), its new state put back. Returns
+    the MoE statistics of these batches, float64 [4, E] in FIELDS order (None for a dense layer)."""
+    device = next(layer.parameters()).device
+    moe = getattr(layer, "block_sparse_moe", None)
+    observer = SaliencyObserver(None, blocks={index: moe}) if moe is not None else None
+    if observer is not None:
+        observer.attach()
+    try:
+        with torch.inference_mode():
+            for b in mine:
+                ids, mask = batches[b]["input_ids"], batches[b]["attention_mask"]
+                host_bank, host_partial = ((), None) if index == 0 else store.get(b, index - 1, block_size)
+                bank = tuple(r.to(device) for r in host_bank)
+                partial = F.embedding(ids.to(device), embed) if index == 0 else host_partial.to(device)
+                try:
+                    out_bank, out = run_batch(layer, bank, partial, mask.to(device), chunk, observer)
+                except BaseException:
+                    if observer is not None:
+                        observer.discard()
+                    raise
+                if observer is not None:
+                    observer.commit()
+                # a new bank row is this layer's input partial sum, which the host holds already (but at layer 0)
+                new_rows = tuple(host_partial if (host_partial is not None and r is partial) else r.cpu()
+                                 for r in out_bank[len(bank):])
+                store.put(b, index, tuple(host_bank) + new_rows, out.cpu())
+    finally:
+        if observer is not None:
+            observer.detach()
+    return None if observer is None else observer.totals()[index]
+
+
 def layer_plan(config) -> list[int]:
     """The decoder layers to run: every one up to the last MoE layer (later ones change no statistic)."""
     text = config.text_config
@@ -403,40 +438,13 @@ def run_rank(job: Job, rank: int, world: int, device, local_world: int = 1) -> d
         layer = build_layer(config, i, dtype, device, dispatch)
         load_layer(layer, reader, i)
         load_s = time.time() - t0
-        moe = getattr(layer, "block_sparse_moe", None)
-        observer = SaliencyObserver(None, blocks={i: moe}) if moe is not None else None
         embed = reader.read(EMBED_KEY).to(device=device, dtype=dtype) if i == 0 else None
-        if observer is not None:
-            observer.attach()
-        try:
-            with torch.inference_mode():
-                for b in mine:
-                    ids, mask = job.batches[b]["input_ids"], job.batches[b]["attention_mask"]
-                    if i == 0:
-                        bank, partial = (), F.embedding(ids.to(device), embed)
-                    else:
-                        host_bank, host_partial = store.get(b, i - 1, text.attn_res_block_size)
-                        bank = tuple(r.to(device) for r in host_bank)
-                        partial = host_partial.to(device)
-                    try:
-                        out_bank, out = run_batch(layer, bank, partial, mask.to(device), job.chunk, observer)
-                    except BaseException:
-                        if observer is not None:
-                            observer.discard()
-                        raise
-                    if observer is not None:
-                        observer.commit()
-                    on_host = tuple(host_bank) if i else ()
-                    new_rows = tuple(host_partial if (i and r is partial) else r.cpu() for r in out_bank[len(bank):])
-                    store.put(b, i, on_host + new_rows, out.cpu())
-        finally:
-            if observer is not None:
-                observer.detach()
-        del layer, moe, embed
+        stats = run_layer(layer, i, job.batches, mine, store, job.chunk, text.attn_res_block_size, embed)
+        is_moe = stats is not None
+        del layer, embed
         store.sync()
-        if observer is not None:
-            stats = group.reduce(observer.totals()[i])
-            layers[str(i)] = SaliencyObserver.layers_report_of({i: stats})[str(i)]
+        if is_moe:
+            layers[str(i)] = SaliencyObserver.layers_report_of({i: group.reduce(stats)})[str(i)]
         done.append(i)
         group.barrier()  # every rank's state after layer i is durable before the report says so
         layer_seconds.append(time.time() - t0)
@@ -448,7 +456,7 @@ def run_rank(job: Job, rank: int, world: int, device, local_world: int = 1) -> d
             if job.progress:
                 mean = sum(layer_seconds) / len(layer_seconds)
                 print(f"observe: layer {i + 1} of {len(plan)} ({text.layer_types[i]}"
-                      f"{', MoE' if observer is not None else ', dense'}): {tokens / layer_seconds[-1]:.0f} tokens/s "
+                      f"{', MoE' if is_moe else ', dense'}): {tokens / layer_seconds[-1]:.0f} tokens/s "
                       f"(load {load_s:.1f}s), elapsed {_hms(time.time() - started)}, "
                       f"ETA {_hms(mean * (len(plan) - len(done)))}", file=sys.stderr, flush=True)
         group.barrier()
