@@ -12,9 +12,9 @@ What is measured. Forward hooks on every `...layers.{i}.block_sparse_moe` (Laten
   renormalised over the chosen top-k, times routed_scaling_factor). Nothing is recomputed.
 - on `block_sparse_moe.routed_expert_down_proj`: its output z = down(x) [N, L], the latent input
   every routed expert sees.
-- on the block itself: when it returns, for every expert e chosen by a non-padding token,
-  f_e = `experts[e](z[tokens of e])` is recomputed on the block's device (the latent expert output
-  before the latent norm) and, in float64, per expert: count (tokens routed), reap_sum (sum of
+- on the block itself: when it returns, for every (non-padding token, chosen expert e) pair,
+  f_e(z) is recomputed with the block's own routed-experts op (`expert_outputs`: the latent expert
+  output before the latent norm) and, in float64, per expert: count (tokens routed), reap_sum (sum of
   g·||f||₂), ean_sum (sum of ||f||₂) and max_norm (max ||f||₂).
 The block flattens [B, T, H] to [N = B·T, H] in B-major order; `SaliencyObserver.set_mask` takes
 the [B, T] attention mask of the coming forward and padding rows (mask 0) are dropped before any
@@ -104,6 +104,14 @@ def find_moe_blocks(model) -> dict[int, torch.nn.Module]:
     if not blocks:
         raise ObserveError("the model has no `layers.{i}.block_sparse_moe` LatentMoE blocks to observe")
     return dict(sorted(blocks.items()))
+
+
+def expert_outputs(block, z, ids) -> torch.Tensor:
+    """Each (token, slot)'s routed expert output f = expert_{ids[:, k]}(z) [N, k, L] (unweighted, before the latent
+    norm) for the latents z [N, L]: the block's own routed-experts op, the one its forward calls on z's device (a
+    kernel where one runs there; each expert module where accelerate offloads the weights, so its hooks load them)."""
+    ops = block.dispatch.ops(z.device, block.routed_expert_up_proj.weight.is_meta)
+    return ops.routed_experts(block, z, ids)
 
 
 class SaliencyObserver:
@@ -208,11 +216,7 @@ class SaliencyObserver:
                                    f"covers {self._mask.numel()} (call set_mask with this forward's [B, T] mask)")
             keep = self._mask.to(device).nonzero().squeeze(1)
             ids, weights, z = ids[keep], weights[keep], z[keep]
-        norms = torch.zeros(ids.shape, dtype=torch.float64, device=device)
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            out = block.experts[e](z[token])
-            norms[token, slot] = torch.linalg.vector_norm(out.to(device=device, dtype=torch.float64), dim=-1)
+        norms = torch.linalg.vector_norm(expert_outputs(block, z, ids).to(torch.float64), dim=-1)
         flat = ids.reshape(-1)
         norms = norms.reshape(-1)
         stats = torch.zeros(len(FIELDS), n_experts, dtype=torch.float64, device=device)
