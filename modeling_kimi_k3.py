@@ -109,14 +109,71 @@ class KimiK3MLP(nn.Module):
 
 
 class BlockBank(tuple):
-    """The block snapshots of Block Attention Residuals (row 0 the embeddings), a tuple that also keeps the stack of
-    its entries once made: the fused depth mixes of a block's layers (two a layer) then read one stack instead of
-    copying the bank at every mix."""
+    """The block snapshots of Block Attention Residuals (row 0 the embeddings), a tuple that the fused depth mixes
+    read as one stack [n, ...].
+
+    In a decode step (one token a row, no autograd) its rows are views of one buffer [blocks, ...], allocated by the
+    first block's opening (`opened`): the mixes read `buffer[:n]` with no copy, the layer that closes a block writes
+    its partial sum straight into the next row (`close`), so the next opening copies nothing either, and a bank
+    flattened into a plain tuple (a decode stage's output) finds its buffer again (`of`). Elsewhere the stack is
+    made once per bank and kept: the mixes of a block's layers (two a layer) read one stack."""
+
+    buffer = None
+
+    @classmethod
+    def of(cls, rows):
+        """`rows` as a BlockBank: itself where it is one, else a new one, on its buffer again where the rows are the
+        leading rows of a bank buffer, in order."""
+        if isinstance(rows, BlockBank):
+            return rows
+        bank = cls(rows)
+        base = bank[0]._base if bank else None
+        if getattr(base, "_is_block_bank", False) and all(
+                row._base is base and row.data_ptr() == base[i].data_ptr() and row.shape == base.shape[1:]
+                for i, row in enumerate(bank)):
+            bank.buffer = base
+        return bank
 
     def stacked(self):
+        if self.buffer is not None:
+            return self.buffer[: len(self)]
         if getattr(self, "_stacked", None) is None:
             self._stacked = torch.stack(self)
         return self._stacked
+
+    def _next_row(self, partial):
+        """The buffer row the snapshot `partial` goes to, or None: no buffer, no room left, or another dtype/shape."""
+        if self.buffer is None or len(self) == self.buffer.shape[0]:
+            return None
+        row = self.buffer[len(self)]
+        return row if (row.dtype, row.shape, row.device) == (partial.dtype, partial.shape, partial.device) else None
+
+    def opened(self, partial, blocks):
+        """The bank with `partial` (the partial sum a block ends with) as its new last row. In a decode step the row
+        is in the buffer (made here, `blocks` rows, by the first opening): copied there unless `close` wrote it."""
+        bank = self
+        if self.buffer is None and not self and partial.shape[1] == 1 and not torch.is_grad_enabled():
+            buffer = partial.new_empty(blocks, *partial.shape)
+            buffer._is_block_bank = True
+            bank = BlockBank()._with(buffer)
+        row = bank._next_row(partial)
+        if row is None:
+            return BlockBank(tuple(self) + (partial,))
+        if row.data_ptr() != partial.data_ptr():
+            row.copy_(partial)
+        return BlockBank(tuple(self) + (row,))._with(bank.buffer)
+
+    def close(self, partial, ffn):
+        """`partial + ffn`, a block's last partial sum: written into the buffer row that the next block's opening
+        takes, where the bank has one (a decode step's)."""
+        row = None if torch.is_grad_enabled() else self._next_row(partial)
+        if row is None or (ffn.dtype, ffn.shape) != (row.dtype, row.shape):
+            return partial + ffn
+        return torch.add(partial, ffn, out=row)
+
+    def _with(self, buffer):
+        self.buffer = buffer
+        return self
 
 
 def attn_res_mix(bank, partial, norm, proj, out_norm):
@@ -777,6 +834,8 @@ class KimiK3DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.dispatch = dispatch = dispatch or new_dispatch(config)
         self.opens_block = layer_idx % config.attn_res_block_size == 0
+        self.closes_block = (layer_idx + 1) % config.attn_res_block_size == 0
+        self.bank_rows = -(-config.num_hidden_layers // config.attn_res_block_size)  # the openings of the model
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = KimiK3RMSNorm(hidden, eps)
         self.post_attention_layernorm = KimiK3RMSNorm(hidden, eps)
@@ -798,10 +857,11 @@ class KimiK3DecoderLayer(nn.Module):
         if positions is None:
             positions = next_positions(cache, partial.shape[1], partial.device)
         ops = self.dispatch.ops(partial.device, self.input_layernorm.weight.is_meta)
+        bank = BlockBank.of(bank)
         h = ops.attn_res_mix(bank, partial, self.self_attention_res_norm, self.self_attention_res_proj,
                              self.input_layernorm)
         if self.opens_block:
-            bank, partial = BlockBank(tuple(bank) + (partial,)), None
+            bank, partial = bank.opened(partial, self.bank_rows), None
         if isinstance(self.self_attn, KimiK3DeltaAttention):
             token_mask = attention_mask[:, positions] if attention_mask is not None else None
             a = self.self_attn(h, token_mask, cache)
@@ -810,7 +870,7 @@ class KimiK3DecoderLayer(nn.Module):
         partial = a if partial is None else partial + a
         h = ops.attn_res_mix(bank, partial, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
         ffn = self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
-        return (bank if isinstance(bank, tuple) else tuple(bank)), partial + ffn
+        return bank, bank.close(partial, ffn) if self.closes_block else partial + ffn
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -878,7 +938,7 @@ class KimiK3TextModel(nn.Module):
 
     def output_mix(self, bank, partial):
         """The last depth mix over every block and the final norm: the decoder's output hidden states."""
-        bank = tuple(s.to(partial.device) for s in bank)
+        bank = BlockBank.of(tuple(s.to(partial.device) for s in bank))
         ops = self.dispatch.ops(partial.device, self.norm.weight.is_meta)
         return ops.attn_res_mix(bank, partial, self.output_attn_res_norm, self.output_attn_res_proj, self.norm)
 
