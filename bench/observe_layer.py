@@ -176,7 +176,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=8192, help="--prefill-chunk")
     ap.add_argument("--scratch", help="folder for the layer file and the carried state (default: a temporary one)")
-    ap.add_argument("--out", help="results JSON (default: bench/results/observe_layer[_cpu].json)")
+    ap.add_argument("--out", help="results JSON (default on CUDA: bench/results/observe_layer.json)")
     args = ap.parse_args()
     common.DEVICE = args.device
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -209,7 +209,7 @@ def main():
             print(f"{kind} layer {index}: {e['tok_s']:.0f} tokens/s observed ({e['forward_tok_s']:.0f} the forward "
                   f"alone: observe/forward {e['observe_over_forward']:.2f}x); load {e['layer_bytes'] / 1e9:.2f} GB in "
                   f"{e['load_cold_s']:.1f}s cold ({e['layer_bytes'] / 1e9 / e['load_cold_s']:.2f} GB/s), "
-                  f"{e['load_hot_s']:.1f}s hot; carried state {e['carried_bytes_per_token'] / 1e3:.0f} KB a token "
+                  f"{e['load_hot_s']:.1f}s hot; carried state {e['carried_bytes_per_token']} bytes a token "
                   f"({e['carried_bytes_per_token'] * CALIBRATION_TOKENS / 1e9:.0f} GB for 1M tokens)", flush=True)
     layers = results["layers"]
     results["parent_hours_1M_tokens"] = {"1_gpu": extrapolate(layers, 1), "8_gpus": extrapolate(layers, 8),
@@ -219,9 +219,10 @@ def main():
     print(f"parent (69 KDA + 24 MLA layers) on 1M calibration tokens: {hours['1_gpu']:.1f} h on 1 GPU, "
           f"{hours['8_gpus']:.2f} h on 8 (cold layer loads; hot: {hours['1_gpu_hot_loads']:.1f} h / "
           f"{hours['8_gpus_hot_loads']:.2f} h); targets 12 h / 2 h", flush=True)
-    out = args.out or os.path.join(common.RESULTS, "observe_layer" + ("_cpu" if args.device == "cpu" else "") + ".json")
-    common.write_json(out, results)
-    print(f"wrote {out}")
+    out = args.out or (os.path.join(common.RESULTS, "observe_layer.json") if args.device == "cuda" else None)
+    if out:
+        common.write_json(out, results)
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ routed expert, what `plan` needs (REAP: Lasby et al., 2025).
         [--seq-len 2048] [--batch-size 1] [--max-tokens T] [--no-pack] [--padding-side right|left]
         [--device-map auto] [--dtype auto|bfloat16|float16|float32] [--threads N] [--offload-folder DIR]
         [--tokenizer DIR] [--save-every 10] [--stop-after S] [--resume] [--no-progress]
+    python -m reap_tools observe --sequential --model DIR --data FILE [FILE ...] --out report.json
+        [--devices 0,1,...] [--max-host-gb G] [--scratch DIR] [--prefill-chunk 8192] [--stop-after-layer K]
+        [--resume]      (a checkpoint too large to load, one decoder layer at a time: reap_tools/sequential.py)
 
 What is measured. Forward hooks on every `...layers.{i}.block_sparse_moe` (LatentMoE) block:
 - on `block_sparse_moe.gate` (the router): its real output, the chosen ids [N, k] (bias-corrected
@@ -810,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"observe: interrupted; the report at {args.out} covers {covers} — continue with --resume",
               file=sys.stderr)
         return 130
+    if int(os.environ.get("RANK", "0")):  # under torchrun, rank 0 says it
+        return 0
     p = report["progress"]
     state = "complete" if p["complete"] else "partial (continue with --resume)"
     if args.sequential:

@@ -413,6 +413,8 @@ def _hms(seconds: float) -> str:
 def run_rank(job: Job, rank: int, world: int, device, local_world: int = 1) -> dict | None:
     """Run every layer still to do over this rank's batches; rank 0 returns the final report."""
     device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels (Triton, fla) launch on the current device
     config = _load_config(job.checkpoint)
     text = config.text_config
     dtype = getattr(torch, job.dtype)
@@ -601,10 +603,3 @@ def observe_cli(args, previous: dict | None) -> dict:
               chunk=args.prefill_chunk, stop_after_layer=args.stop_after_layer, previous=previous,
               progress=not args.no_progress, threads=torch.get_num_threads())
     return observe_sequential(job, devices)
-
-
-def carried_bytes_per_token(config, dtype=torch.bfloat16) -> int:
-    """Host bytes a token's carried state takes at its largest: every bank row plus the partial sum."""
-    text = config.text_config
-    rows = (len(layer_plan(config)) - 1) // text.attn_res_block_size + 1
-    return (rows + 1) * text.hidden_size * torch.empty(0, dtype=dtype).element_size()
