@@ -9,8 +9,9 @@ experts kept packed; vision tensors and other layers are never read). Every cali
 chunks of `--prefill-chunk` tokens as the model prefills (a KDA/MLA cache lives only within one batch's chunks of
 one layer), with the whole-model observer's hooks (`observe.SaliencyObserver`) on its LatentMoE block. What the
 next layer needs, each batch's Block Attention Residual state (the block bank and the partial sum), is carried over;
-the layer is freed and layer i+1 loaded. The statistics equal a whole-model observe of the same batches: the same
-ops on the same tensors, added up in the same float64 order.
+the layer is freed and layer i+1 loaded. The statistics equal a whole-model observe of the same batches bit for bit
+(the same ops on the same tensors, added up in the same float64 order); a sequence longer than the chunk equals the
+whole model's chunked prefill of it (a whole-model observe runs it in one piece: equal to rounding).
 
 Carried state (`CarriedState`). After each layer every batch's new partial sum (and, at a block boundary, its new
 bank row) is written to the scratch folder (a temporary file, fsync, rename), so a run can resume there; the state
