@@ -371,27 +371,53 @@ def _pread_into(fd, view, offset, path):
         done += n
 
 
+def _preadv_into(fd, views, offset, path):
+    """Fill adjacent byte views from file offset `offset` with as few calls as the OS allows (one per
+    `os.IOV_MAX` views unless a read comes back short)."""
+    step = getattr(os, "IOV_MAX", 1024)
+    for first in range(0, len(views), step):
+        batch = views[first : first + step]
+        done = os.preadv(fd, batch, offset)
+        for view in batch:  # a short read: the rest one view at a time (an error where the file ends)
+            if done < len(view):
+                _pread_into(fd, view[max(done, 0):], offset + max(done, 0), path)
+            done -= len(view)
+            offset += len(view)
+
+
 def _byte_view(tensor):
     return memoryview(tensor.view(-1).view(torch.uint8).numpy())
 
 
 class _Staging(threading.local):
-    """A reader thread's two reused host buffers (pinned when a GPU is the target) and, per buffer, the event of the
-    last asynchronous copy out of it."""
+    """A reader thread's two reused pinned host buffers, its copy stream on each GPU it writes to, and per buffer
+    the events of the asynchronous copies out of it (on every GPU they went to)."""
 
-    def __init__(self, pinned):
-        self.pinned, self.buffers, self.events, self.turn = pinned, [None, None], [None, None], 0
-        self.stream = torch.cuda.Stream() if pinned else None
+    def __init__(self):
+        self.buffers, self.events, self.streams, self.turn = [None, None], [[], []], {}, 0
 
     def next(self, nbytes):
+        """The other buffer, once the copies out of it are done, at least `nbytes` long: (its slot, the view)."""
         i = self.turn = 1 - self.turn
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # the copies out of this buffer are done: it can be written again
+        for event in self.events[i]:
+            event.synchronize()
         buffer = self.buffers[i]
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self.buffers[i] = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8,
-                                                   pin_memory=self.pinned)
+            buffer = self.buffers[i] = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8, pin_memory=True)
         return i, buffer[:nbytes]
+
+    def stream(self, device):
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    def copied(self, i, devices):
+        """Record, on this thread's stream of each GPU, the end of the copies out of buffer `i`."""
+        self.events[i] = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(self.stream(device))
+            self.events[i].append(event)
 
 
 def read_tensors(directory, headers, pieces, threads=READ_THREADS, desc="Loading weights"):
@@ -406,7 +432,7 @@ def read_tensors(directory, headers, pieces, threads=READ_THREADS, desc="Loading
     work = [(file, run) for file, spans in sorted(by_file.items()) for run in _runs(spans)]
     total = sum(run[-1].stop - run[0].start for _, run in work)
     pinned = any(span.dst.is_cuda for _, run in work for span in run)
-    staging = _Staging(pinned) if pinned else threading.local()
+    staging = _Staging() if pinned else None
     fds, lock = {}, threading.Lock()
     progress = logging.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                             disable=total < PROGRESS_MIN_BYTES)
@@ -420,20 +446,21 @@ def read_tensors(directory, headers, pieces, threads=READ_THREADS, desc="Loading
     def read(file, run):
         path, fd = os.path.join(directory, file), fd_of(file)
         if all(_direct(span) for span in run):
-            for span in run:
-                _pread_into(fd, _byte_view(span.dst), span.start, path)
+            _preadv_into(fd, [_byte_view(span.dst) for span in run], run[0].start, path)
         else:
-            i, buffer = staging.next(run[-1].stop - run[0].start) if pinned else (None, torch.empty(
-                run[-1].stop - run[0].start, dtype=torch.uint8))
+            nbytes = run[-1].stop - run[0].start
+            i, buffer = staging.next(nbytes) if pinned else (None, torch.empty(nbytes, dtype=torch.uint8))
             _pread_into(fd, _byte_view(buffer), run[0].start, path)
+            gpus = {span.dst.device for span in run if span.dst.is_cuda}
             # grad mode is per thread: this one's copies into parameters must not be recorded
-            with torch.no_grad(), torch.cuda.stream(staging.stream) if pinned else contextlib.nullcontext():
+            with torch.no_grad(), contextlib.ExitStack() as streams:
+                for device in gpus:
+                    streams.enter_context(torch.cuda.stream(staging.stream(device)))
                 for span in run:
                     source = buffer[span.start - run[0].start : span.stop - run[0].start].view(span.dtype)
                     _copy(source.view(span.shape), span.index, span.dst)
                 if pinned:
-                    staging.events[i] = torch.cuda.Event()
-                    staging.events[i].record(staging.stream)
+                    staging.copied(i, gpus)
         progress.update(run[-1].stop - run[0].start)
 
     start = time.perf_counter()
@@ -441,8 +468,8 @@ def read_tensors(directory, headers, pieces, threads=READ_THREADS, desc="Loading
         with ThreadPoolExecutor(max(1, threads)) as pool:
             for future in [pool.submit(read, file, run) for file, run in work]:
                 future.result()
-        if pinned:
-            torch.cuda.synchronize()
+        for device in {span.dst.device for _, run in work for span in run if span.dst.is_cuda}:
+            torch.cuda.synchronize(device)
     finally:
         progress.close()
         for fd in fds.values():
