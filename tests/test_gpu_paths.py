@@ -750,3 +750,37 @@ def test_tensor_parallel_one_rank_on_nccl_decodes_as_the_plain_load(tmp_path):
     assert got["devices"] == ["cuda:0"]
     assert got["captured"] and cache.decode_graph.captured
     assert torch.equal(got["tokens"], want.cpu())
+
+
+@pytest.mark.parametrize("chunk", [3 << 10, 64 << 20])
+def test_the_loader_reads_onto_the_gpu_bit_for_bit(tmp_path, monkeypatch, chunk):
+    """`from_pretrained(device_map="cuda:0")` through pinned buffers and asynchronous copies (bf16 casts, row blocks
+    of tensors larger than a chunk, reused buffers) equals the CPU load, and a TP rank's column slices, read whole
+    and sliced on the GPU, equal the CPU slices."""
+    import kimi_k3_loading
+    from configuration_kimi_k3 import KimiK3Config
+    from kimi_k3_loading import build_on_meta, materialize, pieces_for, read_safetensors_headers, read_tensors
+    from modeling_kimi_k3 import KimiK3ForCausalLM
+    from reap_tools.tiny import parent_text_config, write_checkpoint
+    from tensor_parallel import TensorParallel, shard
+
+    monkeypatch.setattr(kimi_k3_loading, "CHUNK_BYTES", chunk)
+    folder = write_checkpoint(str(tmp_path / "parent"), packed=True, seed=3, max_shard_size="200KB",
+                              **parent_text_config())
+    for dtype in (torch.float32, torch.bfloat16):
+        on_cpu = KimiK3ForCausalLM.from_pretrained(folder, dtype=dtype)
+        on_gpu = KimiK3ForCausalLM.from_pretrained(folder, dtype=dtype, device_map="cuda:0")
+        assert {p.device for p in on_gpu.parameters()} == {torch.device("cuda", 0)}
+        for (name, a), b in zip(on_cpu.state_dict().items(), on_gpu.state_dict().values()):
+            assert torch.equal(a, b.cpu()), name
+    config = KimiK3Config.from_pretrained(folder)
+    headers = read_safetensors_headers(folder)
+    ranks = {}
+    for device in ("cpu", "cuda:0"):
+        model = build_on_meta(KimiK3ForCausalLM, config, torch.bfloat16)
+        sources = shard(model, TensorParallel(1, 4))
+        materialize(model, lambda name: device)
+        read_tensors(folder, headers, pieces_for(model, sources), threads=3)
+        ranks[device] = model.state_dict()
+    for name, tensor in ranks["cpu"].items():
+        assert torch.equal(tensor, ranks["cuda:0"][name].cpu()), name
