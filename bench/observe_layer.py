@@ -68,12 +68,12 @@ def write_shard(tensors, path):
     return sum(e[3] for e in entries)
 
 
-def timed_load(config, index, reader, device, dtype):
-    """(the layer built and filled from `reader`, seconds)."""
+def timed_load(config, index, checkpoint, device, dtype):
+    """(the layer built and filled from `checkpoint`, seconds)."""
     common.sync()
     t0 = time.perf_counter()
     layer = sq.build_layer(config, index, dtype, device, new_dispatch(config))
-    sq.load_layer(layer, reader, index)
+    sq.load_layer(layer, checkpoint, index)
     common.sync()
     return layer, time.perf_counter() - t0
 
@@ -115,12 +115,12 @@ def bench_kind(config, kind, index, args, scratch):
     shard = os.path.join(scratch, "model.safetensors")
     entry["layer_bytes"] = write_shard(tensors, shard)
     del tensors
-    reader = sq.ShardReader(scratch)
-    layer, entry["load_cold_s"] = timed_load(config, index, reader, device, torch.bfloat16)
+    checkpoint = sq.Checkpoint(scratch)
+    layer, entry["load_cold_s"] = timed_load(config, index, checkpoint, device, torch.bfloat16)
     del layer
     if common.DEVICE == "cuda":
         torch.cuda.empty_cache()
-    layer, entry["load_hot_s"] = timed_load(config, index, reader, device, torch.bfloat16)
+    layer, entry["load_hot_s"] = timed_load(config, index, checkpoint, device, torch.bfloat16)
     os.unlink(shard)
 
     batches = max(1, args.tokens // (args.batch_size * args.seq_len))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -45,17 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu
-from .checkpoint import CheckpointError, load_tensors
 from .observe import (REPORT_FORMAT, ObserveError, SaliencyObserver, check_resumable, describe_model, make_batches,
                       path_revision, prepare_calibration, save_report)
 
 EMBED_KEY = "language_model.model.embed_tokens.weight"
 LAYER_PREFIX = "language_model.model.layers.{}."
-# safetensors dtype names -> torch dtypes (the ones a Kimi K3 checkpoint may hold)
-TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                "U8": torch.uint8}
-# a routed expert's tensor as the release names it, `block_sparse_moe.experts.{e}.{w1|w2|w3}.{weight_packed|...}`
-RELEASE_EXPERT = re.compile(r"^(?P<head>block_sparse_moe\.experts\.)(?P<expert>\d+)\.(?P<tail>.+)$")
+# safetensors float dtype names -> torch dtypes (the ones a Kimi K3 checkpoint may hold)
+TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 GB = 1e9
 
 
@@ -64,102 +59,60 @@ GB = 1e9
 # ------------------------------------------------------------------------------------------------
 
 
-class ShardReader:
-    """A checkpoint's tensors by name, from its shard headers (nothing else is read until asked)."""
+class Checkpoint:
+    """A checkpoint folder and its shard headers (`kimi_k3_loading.read_safetensors_headers`: tensor name -> Entry
+    of file, dtype, shape, byte range); tensors are read with the project's loader (`kimi_k3_loading.read_tensors`:
+    per shard in file order, adjacent ones coalesced, straight into host tensors or through pinned buffers)."""
 
     def __init__(self, directory):
-        self.directory = Path(directory)
+        from kimi_k3_loading import read_safetensors_headers
+
+        self.directory = str(directory)
         try:
-            self.tensors = load_tensors(self.directory)  # file order, then offset order within a file
-        except CheckpointError as e:
-            raise ObserveError(f"{self.directory}: {e}") from None
+            self.headers = read_safetensors_headers(self.directory)
+        except (OSError, ValueError) as e:
+            raise ObserveError(str(e)) from None
 
-    def under(self, prefix: str):
-        """The tensors whose names start with `prefix`, in file-offset order per shard."""
-        return [t for name, t in self.tensors.items() if name.startswith(prefix)]
+    def read(self, name: str, device, dtype) -> torch.Tensor:
+        """Tensor `name` on `device` in `dtype`."""
+        from kimi_k3_loading import Piece, read_tensors
 
-    def read_into(self, info, out: torch.Tensor) -> None:
-        """Read tensor `info`'s bytes into the contiguous CPU tensor `out` (its dtype and shape)."""
-        if TORCH_DTYPES.get(info.dtype) != out.dtype or tuple(out.shape) != info.shape:
-            raise ObserveError(f"{info.file}: {info.name} is {info.dtype} {list(info.shape)}, expected "
-                               f"{out.dtype} {list(out.shape)}")
-        if info.expected_nbytes() != info.nbytes:
-            raise ObserveError(f"{info.file}: {info.name} holds {info.nbytes} bytes, its dtype and shape need "
-                               f"{info.expected_nbytes()}")
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        with open(info.file, "rb", buffering=0) as f:
-            f.seek(info.start)
-            done = 0
-            while done < info.nbytes:
-                n = f.readinto(view[done:])
-                if not n:
-                    raise ObserveError(f"{info.file}: ends inside {info.name} (truncated shard)")
-                done += n
-
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, as stored (dtype and shape), on the CPU."""
-        info = self.tensors.get(name)
-        if info is None:
+        entry = self.headers.get(name)
+        if entry is None:
             raise ObserveError(f"{self.directory}: the checkpoint has no {name}")
-        if info.dtype not in TORCH_DTYPES:
-            raise ObserveError(f"{info.file}: {name} has dtype {info.dtype}, not one of {sorted(TORCH_DTYPES)}")
-        out = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
-        self.read_into(info, out)
+        out = torch.empty(entry.shape, dtype=dtype, device=device)
+        read_tensors(self.directory, self.headers, [Piece(name, None, None, out)], desc=name)
         return out
 
 
-def load_layer(layer: torch.nn.Module, reader: ShardReader, index: int) -> int:
-    """Fill decoder layer `layer` (a `KimiK3DecoderLayer`, any device) with layer `index` of the checkpoint: its
-    tensors are read in file-offset order per shard into tensors shaped as the module's own state_dict (a routed
-    expert's packs straight into its row where the module stacks its experts [E, ...]), then loaded with
-    `load_state_dict(strict=True)`. A missing, unexpected, mis-shaped or wrongly typed tensor is one error naming the
-    tensors and files. Returns the bytes read."""
-    from kimi_k3_loading import accepted_dtypes
+def load_layer(layer: torch.nn.Module, checkpoint: Checkpoint, index: int) -> int:
+    """Fill decoder layer `layer` (a `KimiK3DecoderLayer`, on any device) with layer `index` of the checkpoint, strictly:
+    its tensors under the release's names (a routed expert's packs one tensor per expert) must be exactly the ones the
+    module holds, in shape and dtype, or one error names the tensors and files at fault. Then they are read with the
+    project's loader straight into the module's parameters (the packs into their rows of its expert stacks).
+    Returns the bytes read."""
+    from kimi_k3_loading import accepted_dtypes, pieces_for, read_tensors, release_shapes
 
     prefix = LAYER_PREFIX.format(index)
-    target = layer.state_dict()
-    state, rows, problems = {}, {}, []
-    read = 0
-    for info in reader.under(prefix):
-        key, row = info.name[len(prefix):], None
-        if key not in target and (m := RELEASE_EXPERT.match(key)):
-            stacked = m["head"] + m["tail"]
-            if stacked in target and int(m["expert"]) < target[stacked].shape[0]:
-                key, row = stacked, int(m["expert"])
-        if key not in target:
-            problems.append(f"unexpected {info.name} (in {info.file.name})")
-            continue
-        want = target[key]
-        shape = tuple(want.shape[1:] if row is not None else want.shape)
-        if info.dtype not in accepted_dtypes(info.name) or info.dtype not in TORCH_DTYPES:
-            problems.append(f"wrong dtype: {info.name} in {info.file.name} is {info.dtype}, expected "
-                            f"{' or '.join(accepted_dtypes(info.name))}")
-            continue
-        if info.shape != shape:
-            problems.append(f"mismatched: {info.name} in {info.file.name} is {list(info.shape)}, the model's "
-                            f"{list(shape)}")
-            continue
-        if row is None:
-            state[key] = buffer = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
-        else:
-            if key not in state:
-                state[key] = torch.empty(want.shape, dtype=TORCH_DTYPES[info.dtype])
-            buffer = state[key][row]
-            rows.setdefault(key, set()).add(row)
-        reader.read_into(info, buffer)
-        read += info.nbytes
-    for key, want in target.items():
-        if key not in state:
-            problems.append(f"missing {prefix}{key}")
-        elif key in rows and len(rows[key]) != want.shape[0]:
-            absent = sorted(set(range(want.shape[0])) - rows[key])
-            head, tail = key.split("experts.", 1)
-            problems += [f"missing {prefix}{head}experts.{e}.{tail}" for e in absent]
+    expected = {prefix + name: shape for name, shape in release_shapes(layer).items()}
+    found = {name: entry for name, entry in checkpoint.headers.items() if name.startswith(prefix)}
+    problems = [f"missing {name}" for name in expected if name not in found]
+    for name, entry in found.items():
+        if name not in expected:
+            problems.append(f"unexpected {name} (in {entry.file})")
+        elif tuple(entry.shape) != tuple(expected[name]):
+            problems.append(f"mismatched: {name} in {entry.file} is {list(entry.shape)}, the model's "
+                            f"{list(expected[name])}")
+        elif entry.dtype not in accepted_dtypes(name):
+            problems.append(f"wrong dtype: {name} in {entry.file} is {entry.dtype}, expected "
+                            f"{' or '.join(accepted_dtypes(name))}")
     if problems:
         detail = "; ".join(problems[:8]) + (f"; ... ({len(problems) - 8} more)" if len(problems) > 8 else "")
-        raise ObserveError(f"{reader.directory}: layer {index} does not match the model ({detail})")
-    layer.load_state_dict(state, strict=True)
-    return read
+        raise ObserveError(f"{checkpoint.directory}: layer {index} does not match the model ({detail})")
+    sources = {name: (prefix + name, ()) for name, _ in layer.named_parameters()}
+    with torch.no_grad():
+        return read_tensors(checkpoint.directory, checkpoint.headers, pieces_for(layer, sources),
+                            desc=f"layer {index}")
 
 
 def build_layer(config, index: int, dtype: torch.dtype, device, dispatch) -> torch.nn.Module:
@@ -419,7 +372,7 @@ def run_rank(job: Job, rank: int, world: int, device, local_world: int = 1) -> d
     config = _load_config(job.checkpoint)
     text = config.text_config
     dtype = getattr(torch, job.dtype)
-    reader = ShardReader(job.checkpoint)
+    checkpoint = Checkpoint(job.checkpoint)
     group = _Group(world)
     plan = layer_plan(config)
     mine = list(range(rank, len(job.batches), world))
@@ -439,9 +392,9 @@ def run_rank(job: Job, rank: int, world: int, device, local_world: int = 1) -> d
     for i in plan[len(done):]:
         t0 = time.time()
         layer = build_layer(config, i, dtype, device, dispatch)
-        load_layer(layer, reader, i)
+        load_layer(layer, checkpoint, i)
         load_s = time.time() - t0
-        embed = reader.read(EMBED_KEY).to(device=device, dtype=dtype) if i == 0 else None
+        embed = checkpoint.read(EMBED_KEY, device, dtype) if i == 0 else None
         stats = run_layer(layer, i, job.batches, mine, store, job.chunk, text.attn_res_block_size, embed)
         is_moe = stats is not None
         del layer, embed
@@ -551,29 +504,29 @@ def parse_devices(text: str | None) -> list[str]:
     return devices
 
 
-def checkpoint_dtype(reader: ShardReader):
+def checkpoint_dtype(checkpoint: Checkpoint):
     """The checkpoint's own float dtype: its embedding's."""
-    info = reader.tensors.get(EMBED_KEY)
-    if info is None:
-        raise ObserveError(f"{reader.directory}: the checkpoint has no {EMBED_KEY}")
-    return TORCH_DTYPES[info.dtype]
+    entry = checkpoint.headers.get(EMBED_KEY)
+    if entry is None:
+        raise ObserveError(f"{checkpoint.directory}: the checkpoint has no {EMBED_KEY}")
+    return TORCH_DTYPES[entry.dtype]
 
 
 def observe_cli(args, previous: dict | None) -> dict:
     """`observe --sequential`: check the checkpoint, prepare the calibration batches, run, return the report."""
-    from kimi_k3_loading import check_structure, checkpoint_directory, read_safetensors_headers
+    from kimi_k3_loading import check_structure, checkpoint_directory
 
     directory = checkpoint_directory(args.model, {"revision": args.revision})
     config = _load_config(directory)
+    checkpoint = Checkpoint(directory)
     try:
-        check_structure(directory, config, read_safetensors_headers(directory))
+        check_structure(directory, config, checkpoint.headers)
     except (OSError, ValueError) as e:
         raise ObserveError(str(e)) from None
-    reader = ShardReader(directory)
     devices = parse_devices(args.devices)
     where = "cpu" if all(torch.device(d).type == "cpu" for d in devices) else "cuda"
     dtype = cpu.choose("observe", args.dtype, where, args.threads)
-    dtype = checkpoint_dtype(reader) if dtype == "auto" else dtype
+    dtype = checkpoint_dtype(checkpoint) if dtype == "auto" else dtype
     sequences, calibration, pad_id = prepare_calibration(args, config)
     calibration["device_map"] = None
     model = describe_model(config, args.model, path_revision(directory), dtype)
