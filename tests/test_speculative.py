@@ -204,3 +204,31 @@ def test_demo_prompt_lookup_equals_plain_greedy():
         lookup = model.generate(prompt, max_new_tokens=32, do_sample=False, prompt_lookup_num_tokens=8)
     assert lookup.tolist() == plain.tolist()
     assert len(calls) < 32, f"{len(calls)} forwards for 32 tokens: no draft was accepted"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fla's KDA kernels, fused kernels)")
+@pytest.mark.parametrize("kind", ["growing", "static"])
+def test_cuda_fast_paths_roll_back_and_speculate_like_greedy(kind):
+    """On CUDA with the fast paths the model resolves (fla's chunked and recurrent KDA kernels, whose calls are
+    split at the recorded position, the fused short convs writing the static cache in place): a rolled-back cache
+    equals a fresh one and greedy prompt lookup equals plain greedy, in fp32."""
+    model = random_model(tiny_config(packed=True, linear_attn_config=dict(
+        num_heads=4, head_dim=64, full_attn_layers=[3, 6], kda_layers=[1, 2, 4, 5])), seed=3).cuda()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    ids = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 9, 8, 7, 6, 5, 4, 3, 2, 1, 40]], device="cuda")
+    with torch.no_grad():
+        cache = new_cache(model, kind)
+        cache.activate_past_recording()
+        model(ids[:, :6], cache=cache, use_cache=True)
+        model(ids[:, 6:11], cache=cache, use_cache=True)
+        cache.crop(-3)
+        fresh = new_cache(model, kind)
+        model(ids[:, :8], cache=fresh, use_cache=True)
+        for ours, theirs in zip(layer_states(cache, 8), layer_states(fresh, 8)):
+            torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-4, rtol=1e-3)
+        prompt = ids.repeat(1, 2)
+        extra = {"cache": model.make_static_cache(1, prompt.shape[1] + 40)} if kind == "static" else {}
+        plain = model.generate(prompt, max_new_tokens=24, do_sample=False)
+        lookup = model.generate(prompt, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=5, **extra)
+    assert lookup.tolist() == plain.tolist()
