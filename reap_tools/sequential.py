@@ -271,7 +271,7 @@ class Job:
     """Everything a rank needs (picklable, for spawned processes)."""
 
     checkpoint: str
-    batches: list  # [{"input_ids": [B, T], "attention_mask": [B, T]}]
+    batches: list  # [{"input_ids": [B, T], "attention_mask": [B, T]}] (numpy arrays or tensors)
     base: dict  # the report without progress and layers: format, model, calibration
     out: str
     scratch: str
@@ -297,7 +297,7 @@ def run_layer(layer, index: int, batches: list, mine: list[int], store: CarriedS
     try:
         with torch.inference_mode():
             for b in mine:
-                ids, mask = batches[b]["input_ids"], batches[b]["attention_mask"]
+                ids, mask = (torch.as_tensor(batches[b][k]) for k in ("input_ids", "attention_mask"))
                 host_bank, host_partial = ((), None) if index == 0 else store.get(b, index - 1, block_size)
                 bank = tuple(r.to(device) for r in host_bank)
                 partial = F.embedding(ids.to(device), embed) if index == 0 else host_partial.to(device)
@@ -546,10 +546,12 @@ def observe_cli(args, previous: dict | None) -> dict:
     elif scratch.exists():
         raise ObserveError(f"{scratch}: the scratch folder exists (from an interrupted run?); pass --resume to "
                            f"continue it or remove it")
-    batches = list(make_batches(sequences, args.batch_size, pad_id, args.padding_side))
+    # numpy, so that spawned ranks get them by value (torch would share one file descriptor per tensor)
+    batches = [{k: v.numpy() for k, v in b.items()}
+               for b in make_batches(sequences, args.batch_size, pad_id, args.padding_side)]
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     cal = {**calibration, "num_sequences": len(sequences), "num_tokens": tokens,
-           "num_padding_tokens": sum(b["attention_mask"].numel() for b in batches) - tokens}
+           "num_padding_tokens": sum(b["attention_mask"].size for b in batches) - tokens}
     job = Job(checkpoint=str(directory), batches=batches, base={"format": REPORT_FORMAT, "model": model,
                                                                  "calibration": cal},
               out=str(args.out), scratch=str(scratch), dtype=str(dtype).removeprefix("torch."),
