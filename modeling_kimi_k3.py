@@ -176,15 +176,19 @@ class BlockBank(tuple):
         return self
 
 
-def attn_res_mix(bank, partial, norm, proj, out_norm):
+def attn_res_mix(bank, partial, norm, proj, out_norm, key_mask=None, positions=None):
     """Softmax-weighted mix over depth of the sources `bank` (block snapshots) + `partial` (the current block's
     partial sum), `sum_j softmax_j(proj(norm(v_j))) v_j` in fp32, then `out_norm` of it (the RMSNorm of the sublayer
-    that reads the mix). `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score."""
+    that reads the mix). `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score.
+    With `key_mask` [B, keys] (0 = padding) and the tokens' `positions` [T], padding tokens' rows are zeros (what a
+    KDA layer reads of them)."""
     if not bank:
-        return out_norm(partial)
-    stacked = torch.stack(list(bank) + [partial]).float()  # [n, B, T, H]
-    weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
-    return out_norm((weights * stacked).sum(0).to(partial.dtype))
+        out = out_norm(partial)
+    else:
+        stacked = torch.stack(list(bank) + [partial]).float()  # [n, B, T, H]
+        weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
+        out = out_norm((weights * stacked).sum(0).to(partial.dtype))
+    return out if key_mask is None else out.masked_fill(~key_mask[:, positions].bool()[..., None], 0.0)
 
 
 class KimiK3AttnResProj(nn.Module):
@@ -858,13 +862,15 @@ class KimiK3DecoderLayer(nn.Module):
             positions = next_positions(cache, partial.shape[1], partial.device)
         ops = self.dispatch.ops(partial.device, self.input_layernorm.weight.is_meta)
         bank = BlockBank.of(bank)
+        delta = isinstance(self.self_attn, KimiK3DeltaAttention)
+        # KDA's padding tokens read zeros: the mix writes them (the fused kernel reads the mask, no extra launches)
+        padding = (attention_mask, positions) if delta and attention_mask is not None else ()
         h = ops.attn_res_mix(bank, partial, self.self_attention_res_norm, self.self_attention_res_proj,
-                             self.input_layernorm)
+                             self.input_layernorm, *padding)
         if self.opens_block:
             bank, partial = bank.opened(partial, self.bank_rows), None
-        if isinstance(self.self_attn, KimiK3DeltaAttention):
-            token_mask = attention_mask[:, positions] if attention_mask is not None else None
-            a = self.self_attn(h, token_mask, cache)
+        if delta:
+            a = self.self_attn(h, None, cache)
         else:
             a = self.self_attn(h, attention_mask, cache, positions)
         partial = a if partial is None else partial + a

@@ -23,15 +23,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = torch.tensor([[5, 17, 99, 3, 250]])
 
 
-def mix_kernel_stand_in(seen):
-    """A torch stand-in for `fused_triton.attn_res_mix` (the kernel's arguments) that records the stacked bank it is
-    given and computes the reference `attn_res_mix` from it: the same bits as the reference path."""
-    def kernel(stacked, last, norm_weight, proj_weight, eps, out_weight, out_eps):
+def mix_kernel_stand_in(seen, masks):
+    """A torch stand-in for `fused_triton.attn_res_mix` (the kernel's arguments) that records the stacked bank and
+    the key mask it is given and computes the reference `attn_res_mix` from them: the same bits as the reference
+    path."""
+    def kernel(stacked, last, norm_weight, proj_weight, eps, out_weight, out_eps, key_mask=None, positions=None):
         seen.append(stacked)
+        masks.append(key_mask)
         hidden = last.shape[-1]
         norm, proj, out_norm = KimiK3RMSNorm(hidden, eps), KimiK3AttnResProj(hidden), KimiK3RMSNorm(hidden, out_eps)
         norm.weight.data, proj.weight.data, out_norm.weight.data = norm_weight, proj_weight[None], out_weight
-        return attn_res_mix(tuple(stacked.unbind(0)), last, norm, proj, out_norm)
+        return attn_res_mix(tuple(stacked.unbind(0)), last, norm, proj, out_norm, key_mask, positions)
 
     return kernel
 
@@ -43,10 +45,10 @@ def prefilled(model):
     return cache
 
 
-def decode_through_stages(model, cache, token):
+def decode_through_stages(model, cache, token, attention_mask=None):
     """One decode step as the decode graph runs it, eagerly: `decode_stages` in turn on the mask and positions of the
     cache's `prepare` (each stage's output a plain tuple, as the graph's segments pass it)."""
-    mask, positions = cache.prepare(None, 1, 1, token.device)
+    mask, positions = cache.prepare(attention_mask, token.shape[0], 1, token.device)
     state = (token,)
     for _, stage, _ in model.decode_stages():
         state = stage(state, mask, positions, cache)
@@ -62,10 +64,10 @@ def test_a_decode_steps_bank_is_one_buffer_read_in_place(monkeypatch, through_st
     with torch.no_grad():
         reference = model(token, cache=prefilled(model), use_cache=True).logits
 
-        seen = []
+        seen, masks = [], []
         fused_ops = dataclasses.replace(REFERENCE_OPS, attn_res_mix=fused_attn_res_mix)
         monkeypatch.setattr(FastPathDispatch, "ops", lambda self, device, offloaded=False: fused_ops)
-        monkeypatch.setattr(kimi_k3_dispatch, "triton_attn_res_mix", mix_kernel_stand_in(seen))
+        monkeypatch.setattr(kimi_k3_dispatch, "triton_attn_res_mix", mix_kernel_stand_in(seen, masks))
         cache = prefilled(model)
         assert seen and all(s._base is None for s in seen), "a prompt's bank is stacked, not a decode buffer"
         seen.clear()
@@ -139,6 +141,24 @@ FUSED_BANK_SCRIPT = textwrap.dedent(
         tol = 1e-6 if dtype == torch.float32 else 2 ** -6  # bf16: the mix's rounding, then the norm's, truncated
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         assert out.shape == partial.shape and err < tol, (blocks, rows, dtype, err)
+
+    # padding tokens' rows zeroed from the key mask at the tokens' positions: a static cache's bool buffer at a
+    # decode step, a user's int64 mask over a prompt
+    for batch, tokens, keys, mask_dtype in [(2, 1, 9, torch.bool), (3, 4, 12, torch.int64)]:
+        hidden, dtype = 64, torch.bfloat16
+        bank = BlockBank(torch.randn(batch, tokens, hidden).to(dtype) for _ in range(2))
+        partial = torch.randn(batch, tokens, hidden).to(dtype)
+        key_mask = (torch.rand(batch, keys) < 0.6).to(mask_dtype)
+        positions = torch.arange(keys - tokens, keys)
+        key_mask[0, positions[0]], key_mask[1, positions[-1]] = 0, 1  # both kinds of row for certain
+        norm, proj, out_norm = KimiK3RMSNorm(hidden), KimiK3AttnResProj(hidden), KimiK3RMSNorm(hidden, eps=1e-6)
+        with torch.no_grad():
+            proj.weight.normal_(0.0, 0.2)
+            masked = fused_attn_res_mix(bank, partial, norm, proj, out_norm, key_mask, positions)
+            plain = fused_attn_res_mix(bank, partial, norm, proj, out_norm)
+        keep = key_mask[:, positions].bool()[..., None]
+        assert torch.equal(masked, torch.where(keep, plain, torch.zeros_like(plain))), (batch, tokens, mask_dtype)
+        assert not keep.all() and keep.any() and plain.abs().min() > 0
     print("ok")
     """
 )
@@ -150,3 +170,46 @@ def test_fused_depth_mix_reads_a_bank_buffer_in_the_triton_interpreter():
     done = subprocess.run([sys.executable, "-c", FUSED_BANK_SCRIPT], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_kda_layers_take_the_padding_mask_in_the_depth_mix(monkeypatch, padded):
+    """A KDA layer's padding tokens read zeros, written by the depth mix before it (the fused kernel reads the key
+    mask and the positions in place): in a decode step through the decode graph's stages the mix gets the static
+    cache's mask buffer itself (no index op), the attention no mask (no fill); the logits are the reference path's,
+    with and without left padding."""
+    model = random_model(tiny_config(), seed=0).eval()
+    layers = model.language_model.model.layers
+    prompt = torch.tensor([[5, 17, 99, 3, 250], [511, 511, 8, 40, 2]])
+    mask = (prompt != 511).long() if padded else torch.ones_like(prompt)
+    token = torch.tensor([[7], [9]])
+
+    def step():
+        cache = model.make_static_cache(2, prompt.shape[1] + 2)
+        model(prompt, attention_mask=mask, cache=cache, use_cache=True)
+        return cache
+
+    with torch.no_grad():
+        reference_cache = step()
+        reference = model(token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
+                          cache=reference_cache, use_cache=True).logits
+        seen, masks = [], []
+        fused_ops = dataclasses.replace(REFERENCE_OPS, attn_res_mix=fused_attn_res_mix)
+        monkeypatch.setattr(FastPathDispatch, "ops", lambda self, device, offloaded=False: fused_ops)
+        monkeypatch.setattr(kimi_k3_dispatch, "triton_attn_res_mix", mix_kernel_stand_in(seen, masks))
+        cache = step()
+        attention = []
+        for layer in layers:
+            layer.self_attn.register_forward_pre_hook(lambda module, args: attention.append(args[1]))
+        masks.clear()
+        logits = decode_through_stages(model, cache, token, torch.cat([mask, torch.ones_like(token)], 1))
+    assert torch.equal(logits, reference)
+    kinds = [layer.self_attn.__class__.__name__ for layer in layers]
+    assert [a is None for a in attention] == [kind == "KimiK3DeltaAttention" for kind in kinds]
+    # the first mix of a KDA layer (past layer 0's, whose bank is empty) gets the mask buffer, the others none
+    expected = []
+    for i, (layer, kind) in enumerate(zip(layers, kinds)):
+        expected += [kind == "KimiK3DeltaAttention"] if i else []
+        expected.append(False)
+    assert [m is cache.mask for m in masks] == expected + [False]
+

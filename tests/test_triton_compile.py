@@ -150,7 +150,8 @@ def record_moe(text):
 
 
 def record_attn_res_mix(text):
-    """The depth mix + norm over as few and as many sources as the release's blocks give."""
+    """The depth mix + norm over as few and as many sources as the release's blocks give; before a KDA layer with
+    the padding mask a decode step passes (a static cache's bool buffer, its position) and a prompt's (int64)."""
     norm, out_norm = KimiK3RMSNorm(text.hidden_size, text.rms_norm_eps), KimiK3RMSNorm(text.hidden_size)
     proj = KimiK3AttnResProj(text.hidden_size)
     blocks = -(-text.num_hidden_layers // text.attn_res_block_size)
@@ -160,6 +161,13 @@ def record_attn_res_mix(text):
     for sources, tokens in ((2, 1), (blocks + 1, 1), (blocks + 1, 16)):
         bank = BlockBank(torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16) for _ in range(sources - 1))
         ops.attn_res_mix(bank, torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16), norm, proj, out_norm)
+    cache = KimiK3StaticCache(text, batch_size=1, max_length=32, cuda_graph=False)
+    for tokens, user_mask in ((16, torch.ones(1, 16, dtype=torch.long)), (1, None)):
+        key_mask, positions = cache.prepare(user_mask, 1, tokens, torch.device("cpu"))
+        bank = BlockBank(torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16) for _ in range(2))
+        ops.attn_res_mix(bank, torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16), norm, proj, out_norm,
+                         user_mask if user_mask is not None else key_mask, positions)
+        cache.advance(tokens)
 
 
 def record_short_convs(text):
@@ -248,3 +256,12 @@ def test_the_router_ids_reach_the_per_pair_expert_kernels_as_int64(recorded, com
     per_pair = [compiled[key][0] for key, (name, _, _, kwargs) in recorded.items()
                 if name == "_w13_kernel" and kwargs["PAIRS"]]
     assert per_pair and all(signature["rows_ptr"] == "*i64" for signature in per_pair)
+
+
+def test_the_depth_mix_compiles_with_the_key_masks_of_both_call_sites(recorded, compiled):
+    """Before a KDA layer the mix reads the padding mask itself: a static cache's bool buffer (as bytes) at a decode
+    step, a user's int64 mask at a prompt, with int64 positions; and without a mask elsewhere."""
+    signatures = {(kwargs["MASKED"], compiled[key][0]["mask_ptr"], compiled[key][0]["pos_ptr"])
+                  for key, (name, _, _, kwargs) in recorded.items() if name == "_attn_res_mix_kernel"}
+    assert {s for s in signatures if s[0]} == {(True, "*u8", "*i64"), (True, "*i64", "*i64")}
+    assert any(not s[0] for s in signatures)
