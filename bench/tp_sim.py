@@ -241,6 +241,8 @@ def kernels_per_replay(graph, replays):
             graph.replay()
         sync()
     names = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not names:
+        raise RuntimeError("the profiler recorded no kernels of the graph replays")
     delays = sum(n for name, n in names.items() if "spin_kernel" in name)
     copies = sum(n for name, n in names.items() if name.startswith(("Memset", "Memcpy")))
     kernels = {name: n / replays for name, n in names.most_common()
