@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from . import cpu
 from .observe import (REPORT_FORMAT, ObserveError, SaliencyObserver, check_resumable, describe_model, make_batches,
                       path_revision, prepare_calibration, save_report)
+from .release_layout import is_vision_tensor
 
 EMBED_KEY = "language_model.model.embed_tokens.weight"
 LAYER_PREFIX = "language_model.model.layers.{}."
@@ -523,6 +524,10 @@ def observe_cli(args, previous: dict | None) -> dict:
         check_structure(directory, config, checkpoint.headers)
     except (OSError, ValueError) as e:
         raise ObserveError(str(e)) from None
+    vision = [name for name in checkpoint.headers if is_vision_tensor(name)]
+    if vision:
+        print(f"observe: skipping the checkpoint's {len(vision)} vision-tower tensors (a text-only observe)",
+              file=sys.stderr)
     devices = parse_devices(args.devices)
     where = "cpu" if all(torch.device(d).type == "cpu" for d in devices) else "cuda"
     dtype = cpu.choose("observe", args.dtype, where, args.threads)

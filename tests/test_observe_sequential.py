@@ -87,6 +87,7 @@ def test_sequential_equals_the_whole_model(parent, tmp_path, capsys):
     assert report["sequential"]["layers_done"] == list(range(9)) and report["sequential"]["world_size"] == 1
     assert not out.with_name("seq.json.scratch").exists()  # the scratch folder is gone
     err = capsys.readouterr().err
+    assert "observe: skipping the checkpoint's 18 vision-tower tensors" in err
     assert "observe: layer 1 of 9 (kda, dense)" in err and "observe: layer 9 of 9 (mla, MoE)" in err
     assert "tokens/s" in err and "ETA 0:00:00" in err
 
