@@ -37,6 +37,7 @@ layers, the single-GPU extrapolation in bench/results/layer_h200.json and the mo
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -52,7 +53,7 @@ from bench import common
 from bench.common import (CARD, RouteRecorder, build_layer, copy_bandwidth, decode_cache, expert_bytes, graph_of,
                           nbytes, non_expert_bytes, package_version, sync, time_ms, truncated)
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3_dispatch import resolve_fast_paths
+from kimi_k3_dispatch import resolve_fast_paths, use_fast_paths
 from modeling_kimi_k3 import (KimiK3DeltaAttention, KimiK3ForCausalLM, KimiK3LanguageModel, KimiK3LatentMoE,
                               KimiK3StaticCache)
 from tensor_parallel import TensorParallel, check_tp_size, shard
@@ -74,6 +75,8 @@ VARIANTS = {
     "no_mask": "the same step with mask None: what a step without padding launches where the host drops the mask",
     "growing_cache": "the earlier tp_sim step: a growing KimiK3Cache (bench.common.decode_cache), mask None, "
                      "positions from the cache",
+    "one_stream": "the decode step with the side_streams path off: every kernel and all-reduce on one stream, what "
+                  "the second stream's overlap saves",
 }
 
 # Public figures, none measured here. Each all-reduce of `bytes` costs latency + 2(N-1)/N * bytes / bus_bandwidth
@@ -386,7 +389,8 @@ def static_cache(text, layer, batch, seed, context):
 
 def make_step(variant, text, layer, batch, seed, context):
     """One decode step of `layer` at `batch` as VARIANTS[variant] runs it (inputs and cache from `seed`, after
-    `context` tokens): (step, reset, bytes of cache state it reads and writes)."""
+    `context` tokens): (step, reset, bytes of cache state it reads and writes). "one_stream" is the decode step,
+    which `measure_layer` times with the side streams off."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}: one of {list(VARIANTS)}")
     gen = torch.Generator(device=common.DEVICE).manual_seed(seed)
@@ -450,10 +454,12 @@ def measure_layer(text, layer, batch, seed, args, variants, latencies=AR_LATENCI
     res["bytes"] = param_bytes + state_bytes
     res["floor_ms"] = res["bytes"] / args.copy_bw * 1e3
     res["variants"] = {}
+    counted_at = COUNTED_AT_US if COUNTED_AT_US in latencies else latencies[0]
     for variant in variants:
-        step, reset, _ = make_step(variant, text, layer, batch, seed, args.context)
-        counted_at = COUNTED_AT_US if COUNTED_AT_US in latencies else latencies[0]
-        res["variants"][variant] = time_all_reduce_lengths(step, reset, args.reps, latencies, counted_at)
+        switched = use_fast_paths(layer, side_streams="off") if variant == "one_stream" else contextlib.nullcontext()
+        with switched:
+            step, reset, _ = make_step(variant, text, layer, batch, seed, args.context)
+            res["variants"][variant] = time_all_reduce_lengths(step, reset, args.reps, latencies, counted_at)
     return res
 
 
