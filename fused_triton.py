@@ -65,7 +65,7 @@ if triton is not None:
         with norm_w * proj_w over its rms; then, reading the same rows again (from L2: the program read them just
         before), the softmax-weighted sum in source order, fp32, rounded to the output dtype; then its RMSNorm
         (weight out_w). Sums over H happen once per source, not once per tile. With MASKED, row b * tokens + t is
-        zeros where the key mask [B, mask_stride] holds 0 at the token's position pos[t] (a padding token)."""
+        zeros where the key mask (rows mask_stride apart) holds 0 at the token's position pos[t] (a padding token)."""
         row = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
@@ -491,10 +491,10 @@ def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps,
     rows = last.numel() // hidden
     out = torch.empty_like(last)
     masked = key_mask is not None
-    if masked:
-        key_mask = key_mask.contiguous()
+    if masked:  # a prompt chunk's mask is a column slice: read in place through its row stride
+        key_mask = key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()
         key_mask = key_mask.view(torch.uint8) if key_mask.dtype == torch.bool else key_mask
-        mask_args = (key_mask, positions.contiguous(), last.shape[-2], key_mask.shape[-1])
+        mask_args = (key_mask, positions.contiguous(), last.shape[-2], key_mask.stride(0))
     else:
         mask_args = (last, last, 1, 0)  # not read
     _attn_res_mix_kernel[(rows,)](bank, last, norm_weight, proj_weight, out_weight, out, rows, float(eps),

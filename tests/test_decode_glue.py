@@ -148,7 +148,7 @@ FUSED_BANK_SCRIPT = textwrap.dedent(
         hidden, dtype = 64, torch.bfloat16
         bank = BlockBank(torch.randn(batch, tokens, hidden).to(dtype) for _ in range(2))
         partial = torch.randn(batch, tokens, hidden).to(dtype)
-        key_mask = (torch.rand(batch, keys) < 0.6).to(mask_dtype)
+        key_mask = (torch.rand(batch, keys + 5) < 0.6).to(mask_dtype)[:, :keys]  # a column slice, as a chunk's
         positions = torch.arange(keys - tokens, keys)
         key_mask[0, positions[0]], key_mask[1, positions[-1]] = 0, 1  # both kinds of row for certain
         norm, proj, out_norm = KimiK3RMSNorm(hidden), KimiK3AttnResProj(hidden), KimiK3RMSNorm(hidden, eps=1e-6)
