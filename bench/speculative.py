@@ -11,9 +11,9 @@ Three measurements, each against a reference measured in the same run:
             step and replay the accepted tokens from it at `crop` (what `KimiK3Cache` does), at the demo's and the
             release's KDA head shapes; ratios to the plain verification step.
   verify    The first --layers decoder layers at the release's width (random weights, bench/decode.py's builder) on
-            a static cache after --context tokens: a one-token step (the decode graph `generate` replays) against a
-            k + 1-token verification step (a CUDA graph per k; fla's chunked KDA kernel and, with the `kda_prefill`
-            path off, its recurrent one), k = 1..8, plus the rollback replay. Prints the implied speed-up at
+            a static cache after --context tokens: a one-token step against a k + 1-token verification step, each
+            a CUDA graph per token count over the model's decode stages (fla's chunked KDA kernel and, with the
+            `kda_prefill` path off, its recurrent one), k = 1..8, plus recording and rolling back 2 of 5 tokens. Prints the implied speed-up at
             acceptance 2, 3 and 4.7 tokens a step: a * t(1) / t(k + 1) for the best k, on one GPU (the layers' time
             scaled to the 93-layer model, the LM head and embedding as measured) and for TP8 (bench/tp_sim.py's
             predicted time a token at batch 1 and 8, interpolated over the tokens of a step; --tp8-ms to override).
@@ -267,16 +267,24 @@ def verify(args):
     def reset():
         cache.seen_tokens = args.context
 
+    stages = [stage for _, stage, _ in model.decode_stages()]
+
     def step_ms(n, graph):
-        """A forward of n tokens on the static cache at --context (the cache put back before each run)."""
+        """A step of n tokens on the static cache at --context (put back before each run) through the model's
+        decode stages, as a graph-per-k runner would replay it: the cache's mask and position buffers written
+        first, then the embedding, the layers, the output mix and the head, one CUDA graph per n where `graph`."""
         x = ids(n)
+        reset()
+        mask, positions = cache.prepare(None, 1, n, x.device)
 
         def fn():
-            return model(x, cache=cache, use_cache=True)
+            state = (x,)
+            for stage in stages:
+                state = stage(state, mask, positions, cache)
+            return state[0]
 
-        if n == 1 or not graph:  # one token: the model's own decode graph (static cache) replays once warm
-            mode = "decode graph" if graph else "eager"
-            return best_ms(fn, args.reps, warmup=3, setup=reset), mode
+        if not graph:
+            return best_ms(fn, args.reps, setup=reset), "eager"
         try:
             g, _ = common.graph_of(fn, reset)
         except Exception as err:  # e.g. a host sync somewhere in the path

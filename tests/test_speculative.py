@@ -204,6 +204,25 @@ def test_demo_prompt_lookup_equals_plain_greedy():
         lookup = model.generate(prompt, max_new_tokens=32, do_sample=False, prompt_lookup_num_tokens=8)
     assert lookup.tolist() == plain.tolist()
     assert len(calls) < 32, f"{len(calls)} forwards for 32 tokens: no draft was accepted"
+    # the model's own generate re-renders a chat prompt for thinking=False, prompt lookup or not
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_dict=False)
+    chat = torch.tensor([chat])
+    with torch.no_grad():
+        plain = model.generate(chat, max_new_tokens=12, do_sample=False, thinking=False)
+        lookup = model.generate(chat, max_new_tokens=12, do_sample=False, thinking=False, prompt_lookup_num_tokens=8)
+    assert lookup.tolist() == plain.tolist()
+
+
+def test_sampled_prompt_lookup_runs_and_keeps_its_length(model):
+    """Sampling with drafts uses transformers' own acceptance rule on the target's logits: it runs through the
+    rollbacks and returns the tokens asked for."""
+    prompt = torch.tensor([[11, 200, 37, 5, 91, 14, 3, 11, 200, 37, 5, 91, 14, 3]])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=True,
+                             prompt_lookup_num_tokens=4)
+    assert out.shape == (1, prompt.shape[1] + 20)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fla's KDA kernels, fused kernels)")
