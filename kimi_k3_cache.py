@@ -93,6 +93,9 @@ class KimiK3CacheLayer:
     def forget_history(self):
         """Drop what was recorded for a rollback: the tokens seen so far are final."""
 
+    def check_crop(self, tokens):
+        """Raise unless `crop(tokens)` can roll this layer back (checked on every layer before any is cropped)."""
+
     def crop(self, tokens):
         """Forget the last `tokens` tokens (a count >= 0; `KimiK3Cache.crop` takes transformers' conventions)."""
 
@@ -121,16 +124,18 @@ class KimiK3DeltaCacheLayer(KimiK3CacheLayer):
     def stage_conv(self, projected, kernel):
         """Before the short convs run: the conv inputs of this call's recorded tokens with the kernel - 1 before
         them ([B, D, kernel - 1 + kept] per q, k, v), from `projected` [B, T, D] and the conv histories."""
-        kept = self.recorded(projected[0].shape[1])
+        tail = kernel - 1 + self.recorded(projected[0].shape[1])
         past = self.conv_states or tuple(x.new_zeros(x.shape[0], x.shape[-1], kernel - 1) for x in projected)
-        self.staged_conv = tuple(torch.cat([h.to(x.dtype), x.transpose(1, 2)], dim=-1)[..., -(kernel - 1 + kept):]
+        self.staged_conv = tuple(torch.cat([h.to(x.dtype), x[:, -tail:].transpose(1, 2)], dim=-1)[..., -tail:]
                                  for h, x in zip(past, projected))
 
     def record(self, inputs, base, replay):
         """After the delta rule ran (before `update`): `inputs` (q, k, v, g_raw, beta_raw [B, T, ...]) of the call,
         `base` the state before its recorded tokens (None: zeros), `replay(*inputs, initial_state)` -> (o, state)."""
-        kept = self.recorded(inputs[0].shape[1])
-        inputs = tuple(t[:, t.shape[1] - kept :] for t in inputs)
+        length = inputs[0].shape[1]
+        kept = self.recorded(length)
+        if kept < length:  # a copy of the tail: a view would keep a whole prompt's activations alive
+            inputs = tuple(t[:, length - kept :].clone() for t in inputs)
         kernel = self.staged_conv[0].shape[-1] - kept + 1
         if self.pending is None or kept == self.rollback_window:  # `base` is the state before the whole window
             self.base_state = None if base is None else (base.clone() if self.in_place else base)
@@ -152,15 +157,19 @@ class KimiK3DeltaCacheLayer(KimiK3CacheLayer):
             return self.base_state if self.base_state is not None else torch.zeros_like(self.recurrent_state)
         return self.replay(*(t[:, :tokens] for t in self.pending), initial_state=self.base_state)[1]
 
-    def crop(self, tokens):
-        if tokens == 0:
-            self.forget_history()
-            return
+    def check_crop(self, tokens):
         pending = 0 if self.pending is None else self.pending[0].shape[1]
         if tokens > pending:
             raise ValueError(f"The Kimi K3 cache can roll back {pending} tokens here, not {tokens}: its KDA layers "
                              f"record the last {self.rollback_window} tokens since the previous crop (the rollback "
                              "window; raise it with cache.activate_past_recording(recurrent_states_to_keep=N))")
+
+    def crop(self, tokens):
+        if tokens == 0:
+            self.forget_history()
+            return
+        self.check_crop(tokens)
+        pending = self.pending[0].shape[1]
         kept = pending - tokens
         kernel = self.conv_inputs[0].shape[-1] - pending + 1
         state = self._state_after(kept)
@@ -245,6 +254,8 @@ class KimiK3Cache(Cache):
             tokens = max(self.seen_tokens - max_length, 0)
         if tokens > self.seen_tokens:
             raise ValueError(f"Cannot crop {tokens} tokens from a cache of {self.seen_tokens}")
+        for layer in self.layers:
+            layer.check_crop(tokens)
         for layer in self.layers:
             layer.crop(tokens)
         self.seen_tokens -= tokens

@@ -114,6 +114,27 @@ def test_crop_equals_a_fresh_run_to_that_length(model, kind):
             torch.testing.assert_close(step, expected, atol=1e-5, rtol=1e-4)
 
 
+def test_rollback_after_more_tokens_than_the_window(model):
+    """A prompt longer than the rollback window, then more single-token steps than the window without a crop (an
+    assistant drafting): the oldest recorded tokens are replayed into the base as the window slides."""
+    window = kimi_k3_cache.DEFAULT_ROLLBACK_WINDOW
+    ids = torch.randint(0, 500, (1, 2 * window + 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = KimiK3Cache(model.config)
+        cache.activate_past_recording()
+        model(ids[:, : window + 10], cache=cache, use_cache=True)
+        for t in range(window + 10, ids.shape[1]):
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match=f"can roll back {window} tokens here, not {window + 1}"):
+            cache.crop(-(window + 1))
+        cache.crop(-window)
+        kept = ids.shape[1] - window
+        fresh = KimiK3Cache(model.config)
+        model(ids[:, :kept], cache=fresh, use_cache=True)
+        for ours, theirs in zip(layer_states(cache, kept), layer_states(fresh, kept)):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
 def test_crop_conventions_and_clear_errors(model):
     ids = torch.arange(1, 12)[None]
     with torch.no_grad():
