@@ -53,7 +53,7 @@ def _checked_positions(states_at, length):
 
 def recurrent_kda(q, k, v, g, beta, scale, initial_state=None, states_at=None):
     """Step-by-step KDA. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]. Returns (o [B,T,H,V], S [B,H,K,V]),
-    and with `states_at` (positions p in [0, T]) also the states after the first p tokens, [B, len(states_at), H, K, V]."""
+    and with `states_at` (positions p in [0, T]) also the states after the first p tokens [B, n, H, K, V]."""
     dtype = _compute_dtype(q)
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     batch, length, heads, key_dim = k.shape

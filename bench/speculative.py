@@ -13,10 +13,11 @@ Three measurements, each against a reference measured in the same run:
   verify    The first --layers decoder layers at the release's width (random weights, bench/decode.py's builder) on
             a static cache after --context tokens: a one-token step against a k + 1-token verification step, each
             a CUDA graph per token count over the model's decode stages (fla's chunked KDA kernel and, with the
-            `kda_prefill` path off, its recurrent one), k = 1..8, plus recording and rolling back 2 of 5 tokens. Prints the implied speed-up at
-            acceptance 2, 3 and 4.7 tokens a step: a * t(1) / t(k + 1) for the best k, on one GPU (the layers' time
-            scaled to the 93-layer model, the LM head and embedding as measured) and for TP8 (bench/tp_sim.py's
-            predicted time a token at batch 1 and 8, interpolated over the tokens of a step; --tp8-ms to override).
+            `kda_prefill` path off, its recurrent one), k = 1..8, plus recording and rolling back 2 of 5 tokens.
+            Prints the implied speed-up at acceptance 2, 3 and 4.7 tokens a step: a * t(1) / t(k + 1) for the best
+            k, on one GPU (the layers' time scaled to the 93-layer model, the LM head and embedding as measured,
+            the rollback added) and for TP8 (bench/tp_sim.py's predicted time a token at batch 1 and 8, interpolated
+            over the tokens of a step; --tp8-ms to override).
 
     python -m bench.speculative demo [--checkpoint demo/parent] [--new-tokens 64] [--lookup 10]
     python -m bench.speculative rollback [--device cpu]
