@@ -343,7 +343,8 @@ def verify(args):
     results.update(best_path=best_label, io_ms=io, rollback_ms=rollback_ms, one_gpu_full_model_ms=one_gpu,
                    tp8_ms=tp8, tp8_source=source)
     print(f"k=4 verification step: {times[5] / times[1]:.2f}x a 1-token step ({best_label}; target <= 1.3x)")
-    for name, series in (("1 GPU, 93 layers (scaled)", one_gpu), ("TP8 prediction", tp8)):
+    one_device = f"1 {'GPU' if graph else 'CPU'}, {layers_total} layers" + (" (scaled)" if scale != 1 else "")
+    for name, series in ((one_device, one_gpu), ("TP8 prediction", tp8)):
         picks = best_k(series)
         results[f"implied_speedup {name}"] = {str(a): {"k": k, "speedup": s} for a, (k, s) in picks.items()}
         print(f"{name}: 1-token step {series[1]:.2f} ms; implied speed-up "
