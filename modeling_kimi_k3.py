@@ -773,9 +773,10 @@ class KimiK3LatentMoE(nn.Module):
         self.expert_parallel = None  # under tensor parallel, this rank's share of the experts (tensor_parallel.py)
 
     def _expert_key(self):
+        """Which parameters (the objects, which the stack keeps alive) and storage the stack was made of."""
         experts = self.experts
-        return tuple(p.data_ptr() for p in (experts.w1.weight_packed, experts.w3.weight_packed,
-                                            experts.w2.weight_packed))
+        return tuple((id(p), p.data_ptr()) for p in (experts.w1.weight_packed, experts.w3.weight_packed,
+                                                     experts.w2.weight_packed))
 
     def stack_experts(self):
         """The `mxfp4.ExpertStack` the reference and the expert kernels read: the stacked parameters themselves (no
@@ -788,6 +789,13 @@ class KimiK3LatentMoE(nn.Module):
         elif self.expert_stack is None or self.expert_stack.key != self._expert_key():
             self.expert_stack = stack_experts(experts)._replace(key=self._expert_key())
         return self.expert_stack
+
+    def _apply(self, fn, *args, **kwargs):
+        """`.to()` / `.cuda()` replace the stacks: their `ExpertStack` (which reads the largest scale code on the
+        host) is made again now, never first inside a CUDA-graph capture."""
+        super()._apply(fn, *args, **kwargs)
+        self.stack_experts()
+        return self
 
 
     def forward(self, x):

@@ -179,12 +179,15 @@ def truncated(config, layers):
 
 
 def fill_experts(moe):
-    """Random MXFP4 packs (random bytes, scale codes 114..123) in the block's expert stacks."""
+    """Random MXFP4 packs (random bytes, scale codes 114..123) in the block's expert stacks (their `ExpertStack`
+    made again after, for its largest scale code)."""
     stack = moe.stack_experts()
     for packed in (stack.w1, stack.w3, stack.w2):
         packed.random_(0, 256)
     for scale in (stack.s1, stack.s3, stack.s2):
         scale.random_(114, 124)
+    moe.expert_stack = None
+    moe.stack_experts()
 
 
 def build_layer(text, index, seed):
