@@ -258,8 +258,14 @@ def wy_kda(model):
         raise ValueError(f"--kda wy needs gate_lower_bound >= {-80 / WY_CHUNK} (e^-G of a chunk in fp32's range), "
                          f"the config has {bound}")
     stock = kda.chunk_kda
-    kda.chunk_kda = lambda q, k, v, g, beta, scale, initial_state=None, chunk_size=None: wy_chunk_kda(
-        q, k, v, g, beta, scale, initial_state)  # its own chunk size: the caller's suits the reference
+
+    def chunk(q, k, v, g, beta, scale, initial_state=None, chunk_size=None, states_at=None):
+        if states_at:
+            raise ValueError("--kda wy returns no states at chosen positions (a rolling-back cache is for generate)")
+        # its own chunk size: the caller's suits the reference
+        return wy_chunk_kda(q, k, v, g, beta, scale, initial_state)
+
+    kda.chunk_kda = chunk
     try:
         with use_fast_paths(model, kda="off", kda_prefill="off"):
             yield

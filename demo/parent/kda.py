@@ -41,24 +41,44 @@ def _compute_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def recurrent_kda(q, k, v, g, beta, scale, initial_state=None):
-    """Step-by-step KDA. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]. Returns (o [B,T,H,V], S [B,H,K,V])."""
+def _checked_positions(states_at, length):
+    """`states_at` as a list of ints in [0, length], or None."""
+    if states_at is None:
+        return None
+    positions = [int(p) for p in states_at]
+    if any(not 0 <= p <= length for p in positions):
+        raise ValueError(f"states_at: positions must lie in [0, {length}] (tokens seen), got {positions}")
+    return positions
+
+
+def recurrent_kda(q, k, v, g, beta, scale, initial_state=None, states_at=None):
+    """Step-by-step KDA. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]. Returns (o [B,T,H,V], S [B,H,K,V]),
+    and with `states_at` (positions p in [0, T]) also the states after the first p tokens [B, n, H, K, V]."""
     dtype = _compute_dtype(q)
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     batch, length, heads, key_dim = k.shape
+    positions = _checked_positions(states_at, length)
     state = q.new_zeros(batch, heads, key_dim, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
-    outputs = []
+    outputs, kept = [], {0: state}
     for t in range(length):  # x^T S as a batched [1, K] @ [K, V] matmul: einsum's bmm with less Python per step
         state = state * g[:, t].exp().unsqueeze(-1)
         k_t = k[:, t]
         delta = beta[:, t].unsqueeze(-1) * (v[:, t] - (k_t.unsqueeze(-2) @ state).squeeze(-2))
         state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
         outputs.append(((q[:, t] * scale).unsqueeze(-2) @ state).squeeze(-2))
-    return torch.stack(outputs, dim=1), state
+        if positions is not None and t + 1 in positions:
+            kept[t + 1] = state
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(batch, 0, heads, v.shape[-1])
+    if positions is None:
+        return o, state
+    return o, state, torch.stack([kept[p] for p in positions], dim=1)
 
 
-def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
-    """Chunked KDA, exact in real arithmetic to `recurrent_kda`; any length (the last chunk may be short).
+def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16, states_at=None):
+    """Chunked KDA, exact in real arithmetic to `recurrent_kda`; any length (the last chunk may be short). With
+    `states_at` (positions p in [0, T]) it also returns the states after the first p tokens [B, n, H, K, V], as
+    `recurrent_kda` does: a state inside a chunk is its start state decayed to p plus the corrections up to p,
+    `e^{G_p} * S0 + (K[:p] * e^{G_p - G[:p]})^T Delta[:p]`, from the chunk's own factors (no second pass).
 
     Within a chunk starting from state S0, with G_t the cumulative log-decay up to t, the corrections
     delta_t = beta_t (v_t - (D_t S_{t-1})^T k_t) solve the unit lower-triangular system
@@ -73,9 +93,10 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
     dtype = _compute_dtype(q)
     q, k, v, g, beta = (t.to(dtype).transpose(1, 2) for t in (q, k, v, g, beta))  # [B, H, T, ...]
     batch, heads, length, key_dim = k.shape
+    positions = _checked_positions(states_at, length)
     state = q.new_zeros(batch, heads, key_dim, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
     q = q * scale
-    outputs = []
+    outputs, kept = [], {0: state}
     for start in range(0, length, chunk_size):
         end = min(start + chunk_size, length)
         q_c, k_c, v_c, b_c = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
@@ -89,9 +110,22 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=16):
         system = torch.eye(size, dtype=dtype, device=q.device) + b_c.unsqueeze(-1) * a
         delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         outputs.append((q_c * decay) @ state + b @ delta)
+        inside = sorted({p - start - 1 for p in positions or () if start < p < end})
+        if inside:  # states after token j of the chunk: (k_s e^{G_j - G_s})_{s <= j} weighs delta_s
+            j = torch.tensor(inside, device=q.device)
+            weights = (diff[:, :, j] * k_c.unsqueeze(2)).masked_fill_(
+                torch.arange(size, device=q.device)[:, None] > j[:, None, None], 0)  # [B, H, n, C, K]: s <= j
+            states = decay[:, :, j].unsqueeze(-1) * state.unsqueeze(2) + torch.einsum(
+                "bhjsk,bhsv->bhjkv", weights, delta)
+            kept.update({start + 1 + i: states[:, :, n] for n, i in enumerate(inside)})
         last = cum[:, :, -1:]
         state = last.transpose(2, 3).exp() * state + (k_c * (last - cum).exp()).transpose(2, 3) @ delta
-    return torch.cat(outputs, dim=2).transpose(1, 2), state
+        kept[end] = state
+    o = torch.cat(outputs, dim=2).transpose(1, 2) if outputs else v.transpose(1, 2).new_zeros(
+        batch, 0, heads, v.shape[-1])
+    if positions is None:
+        return o, state
+    return o, state, torch.stack([kept[p] for p in positions], dim=1)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -133,7 +167,7 @@ def supported(device):
 
 
 def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, initial_state=None, in_place=False,
-                kernel=None, safe_gate=True):
+                kernel=None, safe_gate=True, states_at=None):
     """KDA core. q, k, g_raw: [B, T, H, K]; v: [B, T, H, V]; beta_raw: [B, T, H] (logits); A_log: [H];
     dt_bias: [H * K]; initial_state: [B, H, K, V] fp32 or None. `kernel` picks fla-core's kernel for this call where
     it loads: "recurrent" (token by token, fp32 state; `in_place` lets it write the new state over `initial_state`,
@@ -141,6 +175,10 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
     tensor-core sub-chunks valid for gates bounded in [lower_bound, 0) with lower_bound >= -5, wherever the bound
     allows). Otherwise the reference runs: `recurrent_kda` for one token with a state, else `chunk_kda`, and always
     returns a new state.
+
+    `states_at` (positions p in [0, T]) asks also for the states after the first p tokens, a third result
+    [B, n, H, K, V] fp32 (what a cache keeps to roll back past rejected draft tokens): the reference computes them
+    inside its pass; fla's kernels return only final states, so their call is split at those positions.
 
     Returns (o [B, T, H, V] in v's dtype on the fla path, fp32 on the reference path; state [B, H, K, V] fp32).
     """
@@ -150,11 +188,17 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
         beta = torch.sigmoid(beta_raw.float())
         inputs = (l2norm(q.float()), l2norm(k.float()), v.float(), g, beta)
         if q.shape[1] == 1 and initial_state is not None:
-            return recurrent_kda(*inputs, scale=scale, initial_state=initial_state)
+            return recurrent_kda(*inputs, scale=scale, initial_state=initial_state, states_at=states_at)
         # 16-token chunks suit a CPU's caches; on a GPU fewer, larger chunks mean fewer kernel launches
-        return chunk_kda(*inputs, scale=scale, initial_state=initial_state, chunk_size=64 if q.is_cuda else 16)
+        return chunk_kda(*inputs, scale=scale, initial_state=initial_state, chunk_size=64 if q.is_cuda else 16,
+                         states_at=states_at)
     if kernel not in ("recurrent", "chunk"):
         raise ValueError(f"kda_forward: kernel must be 'recurrent', 'chunk' or None, got {kernel!r}")
+    if states_at is not None:
+        return _split_at(q, k, v, g_raw, beta_raw, initial_state, _checked_positions(states_at, q.shape[1]),
+                         lambda *part, initial_state, in_place: kda_forward(
+                             *part, A_log, dt_bias, lower_bound, scale, initial_state, in_place, kernel, safe_gate),
+                         in_place)
     fla_chunk, fla_recurrent = kernels
     # the chunked kernel runs its matmuls in its inputs' dtype, the WY factors and the state included: fp32 inputs
     # keep its error at the bf16 rounding of the output (see the notes above `_load`)
@@ -180,6 +224,24 @@ def kda_forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, lower_bound, scale, in
         safe = safe_gate and lower_bound is not None and -5 <= lower_bound < 0
         o, state = fla_chunk(q, k, v.to(dtype).contiguous(), g_raw, beta_raw, safe_gate=safe, **common)
     return o, state
+
+
+def _split_at(q, k, v, g_raw, beta_raw, initial_state, positions, run, in_place):
+    """`run` (a kernel call returning (o, final state)) over the pieces of the sequence between `positions`, each
+    piece from the state the previous one left: (o, state, the states at `positions`)."""
+    batch, length, heads, key_dim = q.shape
+    state = (torch.zeros(batch, heads, key_dim, v.shape[-1], dtype=torch.float32, device=q.device)
+             if initial_state is None else initial_state)
+    kept, outputs, start = {0: state.clone() if in_place else state}, [], 0
+    for end in sorted(set(positions) | {length}):
+        if end > start:
+            o, state = run(*(t[:, start:end] for t in (q, k, v, g_raw, beta_raw)), initial_state=state,
+                           in_place=in_place)
+            outputs.append(o)
+            kept[end] = state.clone() if in_place and end < length else state
+        start = end
+    o = torch.cat(outputs, dim=1) if outputs else v.new_zeros(batch, 0, heads, v.shape[-1])
+    return o, state, torch.stack([kept[p] for p in positions], dim=1)
 
 
 def quick_tune(max_configs=1):

@@ -22,26 +22,24 @@ from transformers.utils import logging
 try:
     from .configuration_kimi_k3 import KimiK3Config
     from .kda import kda_forward
-    from .kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask, given_cache,
-                                next_positions, output_with_cache)
+    from .kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask,
+                                generation_cache_key, given_cache, next_positions, output_with_cache)
     from .kimi_k3_dispatch import FastPathDispatch, FastPaths, Ops, use_fast_paths
     # transformers 4.57 copies a local folder's modules into its cache from this file's relative imports alone, not
     # theirs in turn: the kernel modules, which only the dispatch imports, are named here so that they travel too
     from .fused_triton import supported as _  # noqa: F401
     from .mxfp4_triton import supported as _  # noqa: F401, F811
-    from .kimi_k3_loading import (VISION_KEYS, check_checkpoint, check_loaded_scales, checkpoint_directory,
-                                  raise_on_key_problems)
+    from .kimi_k3_loading import VISION_KEYS, check_loaded_scales, load_model, release_state_dict
     from .kimi_k3_runners import execution_device, kda_side_by_side, mla_side_by_side, moe_side_by_side
     from .mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4, stack_experts
     from .tensor_parallel import load_tensor_parallel
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import KimiK3Config
     from kda import kda_forward
-    from kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask, given_cache,
-                               next_positions, output_with_cache)
+    from kimi_k3_cache import (KimiK3Cache, KimiK3DeltaCacheLayer, KimiK3StaticCache, check_mask,
+                               generation_cache_key, given_cache, next_positions, output_with_cache)
     from kimi_k3_dispatch import FastPathDispatch, FastPaths, Ops, use_fast_paths
-    from kimi_k3_loading import (VISION_KEYS, check_checkpoint, check_loaded_scales, checkpoint_directory,
-                                 raise_on_key_problems)
+    from kimi_k3_loading import VISION_KEYS, check_loaded_scales, load_model, release_state_dict
     from kimi_k3_runners import execution_device, kda_side_by_side, mla_side_by_side, moe_side_by_side
     from mxfp4 import dequantize_mxfp4, dequantize_unchecked, quantize_mxfp4, stack_experts
     from tensor_parallel import load_tensor_parallel
@@ -111,25 +109,86 @@ class KimiK3MLP(nn.Module):
 
 
 class BlockBank(tuple):
-    """The block snapshots of Block Attention Residuals (row 0 the embeddings), a tuple that also keeps the stack of
-    its entries once made: the fused depth mixes of a block's layers (two a layer) then read one stack instead of
-    copying the bank at every mix."""
+    """The block snapshots of Block Attention Residuals (row 0 the embeddings), a tuple that the fused depth mixes
+    read as one stack [n, ...].
+
+    In a decode step (one token a row, no autograd) its rows are views of one buffer [blocks, ...], allocated by the
+    first block's opening (`opened`): the mixes read `buffer[:n]` with no copy, the layer that closes a block writes
+    its partial sum straight into the next row (`close`), so the next opening copies nothing either, and a bank
+    flattened into a plain tuple (a decode stage's output) finds its buffer again (`of`). Elsewhere the stack is
+    made once per bank and kept: the mixes of a block's layers (two a layer) read one stack."""
+
+    buffer = None
+
+    @classmethod
+    def of(cls, rows):
+        """`rows` as a BlockBank: itself where it is one, else a new one, on its buffer again where the rows are the
+        leading rows of a bank buffer, in order."""
+        if isinstance(rows, BlockBank):
+            return rows
+        bank = cls(rows)
+        base = bank[0]._base if bank else None
+        if getattr(base, "_is_block_bank", False) and all(
+                row._base is base and row.data_ptr() == base[i].data_ptr() and row.shape == base.shape[1:]
+                for i, row in enumerate(bank)):
+            bank.buffer = base
+        return bank
 
     def stacked(self):
+        if self.buffer is not None:
+            return self.buffer[: len(self)]
         if getattr(self, "_stacked", None) is None:
             self._stacked = torch.stack(self)
         return self._stacked
 
+    def _next_row(self, partial):
+        """The buffer row the snapshot `partial` goes to, or None: no buffer, no room left, or another dtype/shape."""
+        if self.buffer is None or len(self) == self.buffer.shape[0]:
+            return None
+        row = self.buffer[len(self)]
+        return row if (row.dtype, row.shape, row.device) == (partial.dtype, partial.shape, partial.device) else None
 
-def attn_res_mix(bank, partial, norm, proj, out_norm):
+    def opened(self, partial, blocks):
+        """The bank with `partial` (the partial sum a block ends with) as its new last row. In a decode step the row
+        is in the buffer (made here, `blocks` rows, by the first opening): copied there unless `close` wrote it."""
+        bank = self
+        if self.buffer is None and not self and partial.shape[1] == 1 and not torch.is_grad_enabled():
+            buffer = partial.new_empty(blocks, *partial.shape)
+            buffer._is_block_bank = True
+            bank = BlockBank()._with(buffer)
+        row = bank._next_row(partial)
+        if row is None:
+            return BlockBank(tuple(self) + (partial,))
+        if row.data_ptr() != partial.data_ptr():
+            row.copy_(partial)
+        return BlockBank(tuple(self) + (row,))._with(bank.buffer)
+
+    def close(self, partial, ffn):
+        """`partial + ffn`, a block's last partial sum: written into the buffer row that the next block's opening
+        takes, where the bank has one (a decode step's)."""
+        row = None if torch.is_grad_enabled() else self._next_row(partial)
+        if row is None or (ffn.dtype, ffn.shape) != (row.dtype, row.shape):
+            return partial + ffn
+        return torch.add(partial, ffn, out=row)
+
+    def _with(self, buffer):
+        self.buffer = buffer
+        return self
+
+
+def attn_res_mix(bank, partial, norm, proj, out_norm, key_mask=None, positions=None):
     """Softmax-weighted mix over depth of the sources `bank` (block snapshots) + `partial` (the current block's
     partial sum), `sum_j softmax_j(proj(norm(v_j))) v_j` in fp32, then `out_norm` of it (the RMSNorm of the sublayer
-    that reads the mix). `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score."""
+    that reads the mix). `proj(norm(v))` is `(v / rms(v)) . (norm.weight * proj.weight)`, the pseudo-query score.
+    With `key_mask` [B, keys] (0 = padding) and the tokens' `positions` [T], padding tokens' rows are zeros (what a
+    KDA layer reads of them)."""
     if not bank:
-        return out_norm(partial)
-    stacked = torch.stack(list(bank) + [partial]).float()  # [n, B, T, H]
-    weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
-    return out_norm((weights * stacked).sum(0).to(partial.dtype))
+        out = out_norm(partial)
+    else:
+        stacked = torch.stack(list(bank) + [partial]).float()  # [n, B, T, H]
+        weights = proj(norm(stacked)).softmax(dim=0).unsqueeze(-1)  # [n, B, T, 1]
+        out = out_norm((weights * stacked).sum(0).to(partial.dtype))
+    return out if key_mask is None else out.masked_fill(~key_mask[:, positions].bool()[..., None], 0.0)
 
 
 class KimiK3AttnResProj(nn.Module):
@@ -258,6 +317,8 @@ class KimiK3DeltaAttention(nn.Module):
         ((q, k, v), the new conv histories). Where fla's chunked kernel takes them (in fp32, see kda.py), a conv
         kernel may store them in fp32 (the same values), which spares a cast of each."""
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if own.recorded(x.shape[1]):  # a cache that can roll back keeps the conv inputs (before a kernel
+            own.stage_conv(projected, self.q_conv1d.kernel_size[0])  # overwrites the histories in place)
         fp32 = torch.float32 if ops.paths.kda_prefill and x.shape[1] > 1 else None
         return ops.short_convs(projected, (self.q_conv1d, self.k_conv1d, self.v_conv1d), own.conv_states,
                                own.in_place, fp32)
@@ -269,12 +330,22 @@ class KimiK3DeltaAttention(nn.Module):
         g_raw, beta_raw, gate_logits = gates
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        o, state = ops.delta_rule(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw,
-                                  self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5,
-                                  own.recurrent_state, in_place=own.in_place)
+        inputs = (q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw)
+        kept = own.recorded(length)  # a cache that can roll back: also the state before the tokens it records
+        o, state, *base = ops.delta_rule(*inputs, self.A_log[: self.num_heads], self.dt_bias, self.lower_bound,
+                                         self.head_dim**-0.5, own.recurrent_state, in_place=own.in_place,
+                                         **(dict(states_at=[length - kept]) if kept else {}))
+        if kept:
+            own.record(inputs, base[0][:, 0], self.replay(ops))
         own.update(conv_states, state)
         o = ops.gated_rms_norm(o, gate_logits, self.o_norm, x.dtype)
         return self.o_proj(o.reshape(batch, length, -1))
+
+    def replay(self, ops):
+        """This layer's delta rule over recorded inputs (q, k, v, g_raw, beta_raw) from a state: what a cache
+        rolling back past rejected draft tokens recomputes its state with (`KimiK3DeltaCacheLayer.crop`)."""
+        constants = (self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5)
+        return lambda *inputs, initial_state: ops.delta_rule(*inputs, *constants, initial_state)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -496,35 +567,48 @@ class MXFP4Linear(nn.Module):
 
     `weight_packed` [out, in/2] and `weight_scale` [out, in/32] are uint8 parameters, loaded and saved as is; the
     weight is dequantized only for the call that uses it. Deliberately not an `nn.Linear`: transformers'
-    compressed-tensors integration would otherwise decompress every such layer to bf16 at load.
+    compressed-tensors integration would otherwise decompress every such layer to bf16 at load. With `experts`, a
+    stack of that many such layers (a leading [E] dimension); `row(e)` is layer e, a view.
     """
 
-    def __init__(self, in_features, out_features):
+    def __init__(self, in_features, out_features, experts=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight_packed = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.uint8),
+        lead = () if experts is None else (experts,)
+        self.weight_packed = nn.Parameter(torch.zeros(*lead, out_features, in_features // 2, dtype=torch.uint8),
                                           requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.zeros(out_features, in_features // 32, dtype=torch.uint8),
+        self.weight_scale = nn.Parameter(torch.zeros(*lead, out_features, in_features // 32, dtype=torch.uint8),
                                          requires_grad=False)
 
     def forward(self, x):
         return F.linear(x, dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype=x.dtype))
 
+    def row(self, e):
+        """Layer e of a stack: a `MXFP4Linear` whose parameters are views of this one's (writes go through)."""
+        linear = MXFP4Linear.__new__(MXFP4Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight_packed = nn.Parameter(self.weight_packed[e], requires_grad=False)
+        linear.weight_scale = nn.Parameter(self.weight_scale[e], requires_grad=False)
+        return linear
+
     @torch.no_grad()
     def pack_(self, weight):
-        """Quantize a float weight [out, in] into this layer's packs (compressed-tensors' rounding)."""
-        packed, scale = quantize_mxfp4(weight)
-        self.weight_packed.copy_(packed)
-        self.weight_scale.copy_(scale)
+        """Quantize a float weight [..., out, in] into this layer's packs (compressed-tensors' rounding)."""
+        packed, scale = quantize_mxfp4(weight.reshape(-1, self.in_features))
+        self.weight_packed.copy_(packed.view_as(self.weight_packed))
+        self.weight_scale.copy_(scale.view_as(self.weight_scale))
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, format=mxfp4"
+        lead = f"experts={self.weight_packed.shape[0]}, " if self.weight_packed.dim() == 3 else ""
+        return f"{lead}in_features={self.in_features}, out_features={self.out_features}, format=mxfp4"
 
 
 class KimiK3Expert(nn.Module):
-    """One routed expert in the latent space: `w2(situ(w1 z, w3 z))`, L -> moe_intermediate -> L."""
+    """One routed expert in the latent space: `w2(situ(w1 z, w3 z))`, L -> moe_intermediate -> L (float weights, or
+    a view of one expert of a `KimiK3Experts` stack)."""
 
-    def __init__(self, config, packed):
+    def __init__(self, config, packed=False):
         super().__init__()
         latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
         make = MXFP4Linear if packed else (lambda i, o: nn.Linear(i, o, bias=False))
@@ -541,6 +625,63 @@ class KimiK3Expert(nn.Module):
         return situ_glu(h[..., :inner], h[..., inner:], self.beta, self.linear_beta)
 
 
+class KimiK3Experts(nn.Module):
+    """A block's routed MXFP4 experts as one stack per projection: `w1`, `w3` [E, inner, L/2 | L/32] and `w2`
+    [E, L, inner/2 | inner/32], which the reference and the expert kernels read (`mxfp4.ExpertStack`). The release
+    stores expert e's packs as `experts.{e}.w1.weight_packed` ...; `kimi_k3_loading.stacked_key` maps those names
+    onto (stack, e), for loading and `load_state_dict`, and `release_state_dict` back, for saving. `experts[e]` is
+    expert e as a `KimiK3Expert` over views."""
+
+    def __init__(self, config, num_experts):
+        super().__init__()
+        latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
+        self.w1, self.w3 = MXFP4Linear(latent, inner, num_experts), MXFP4Linear(latent, inner, num_experts)
+        self.w2 = MXFP4Linear(inner, latent, num_experts)
+        self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+        self._register_load_state_dict_pre_hook(self._stack_release_keys)
+
+    def __len__(self):
+        return self.w1.weight_packed.shape[0]
+
+    def __iter__(self):
+        return (self[e] for e in range(len(self)))
+
+    def __getitem__(self, e):
+        if isinstance(e, slice):
+            return self.select(range(len(self))[e])
+        expert = KimiK3Expert.__new__(KimiK3Expert)
+        nn.Module.__init__(expert)
+        expert.w1, expert.w3, expert.w2 = (getattr(self, name).row(e) for name in ("w1", "w3", "w2"))
+        expert.beta, expert.linear_beta = self.beta, self.linear_beta
+        return expert
+
+    def select(self, experts):
+        """A stack of the given experts only (a contiguous range: views, no copy)."""
+        chosen = KimiK3Experts.__new__(KimiK3Experts)
+        nn.Module.__init__(chosen)
+        for name in ("w1", "w3", "w2"):
+            whole, part = getattr(self, name), MXFP4Linear.__new__(MXFP4Linear)
+            nn.Module.__init__(part)
+            part.in_features, part.out_features = whole.in_features, whole.out_features
+            part.weight_packed = nn.Parameter(whole.weight_packed[experts.start : experts.stop], requires_grad=False)
+            part.weight_scale = nn.Parameter(whole.weight_scale[experts.start : experts.stop], requires_grad=False)
+            setattr(chosen, name, part)
+        chosen.beta, chosen.linear_beta = self.beta, self.linear_beta
+        chosen._register_load_state_dict_pre_hook(chosen._stack_release_keys)
+        return chosen
+
+    glu = KimiK3Expert.glu
+
+    def _stack_release_keys(self, state_dict, prefix, *args):
+        """`load_state_dict` with the release's per-expert names: each stack assembled from its experts' tensors."""
+        for name in ("w1", "w3", "w2"):
+            for attr in ("weight_packed", "weight_scale"):
+                keys = [f"{prefix}{e}.{name}.{attr}" for e in range(len(self))]
+                if keys[0] in state_dict:
+                    state_dict[f"{prefix}{name}.{attr}"] = torch.stack(
+                        [state_dict.pop(k) for k in keys if k in state_dict])
+
+
 # Most dequantized expert weights (w1, w3 and w2, in the activation dtype) the reference holds at once.
 DEQUANT_CHUNK_BYTES = 64 << 20
 
@@ -548,7 +689,7 @@ DEQUANT_CHUNK_BYTES = 64 << 20
 def routed_experts(moe, z, ids):
     """Each (token, slot)'s expert output `expert_{ids[:, k]}(z)`, unweighted, [N, k, L] in z's dtype, for the
     latents z [N, L] and the router's ids [N, k]. Pairs are sorted by expert so each expert runs once on one
-    contiguous slice (`stacked_experts`, or each expert module where the block has no stack on z's device). Pairs
+    contiguous slice (`stacked_experts`, or each expert where the block has no stack on z's device). Pairs
     with id `moe.num_experts` (experts another rank holds) give rows of zeros."""
     top_k = ids.shape[1]
     order = ids.flatten().argsort(stable=True)
@@ -556,9 +697,9 @@ def routed_experts(moe, z, ids):
     foreign = counts.pop()
     order = order[: order.numel() - foreign]
     routed = z[order // top_k]
-    stack = moe.current_stack()
+    stack = moe.stack_experts()
     if stack is not None and stack.w1.device == z.device:
-        out = stacked_experts(stack, moe.experts[0], routed, counts)
+        out = stacked_experts(stack, moe.experts, routed, counts)
     else:
         out = torch.cat([moe.experts[e](rows) for e, rows in enumerate(routed.split(counts)) if counts[e]]
                         or [routed[:0]])
@@ -566,13 +707,14 @@ def routed_experts(moe, z, ids):
     return pairs.index_copy_(0, order, out.to(z.dtype)).view(*ids.shape, z.shape[-1])
 
 
-def stacked_experts(stack, expert, routed, counts):
+def stacked_experts(stack, experts, routed, counts):
     """`expert_e(rows)` for the rows `routed` [pairs, L], sorted by expert with `counts[e]` rows each, read from the
     block's `mxfp4.ExpertStack`: the per-expert loop's result from a few large ops instead of ~12 small ones per
     expert. Per chunk of the experts hit (at most `DEQUANT_CHUNK_BYTES` of dequantized weights): one dequantization
     of all their w1 and w3 packs and one of their w2 packs (after the first is used), each followed, where every
     expert has the same number of rows (a decode step), by a batched matmul over the chunk, else by a matmul per
-    expert (and one SiTU-GLU call over all their rows). `expert` gives the activation's constants."""
+    expert (and one SiTU-GLU call over all their rows). `experts` (the block's `KimiK3Experts`) gives the
+    activation's constants."""
     latent, inner = stack.latent, stack.inner
     hit = [e for e, count in enumerate(counts) if count]
     step = max(1, DEQUANT_CHUNK_BYTES // (3 * latent * inner * routed.element_size()))
@@ -587,9 +729,9 @@ def stacked_experts(stack, expert, routed, counts):
         w13 = dequantize_unchecked(torch.cat([w1, w3], 1).flatten(0, 1), torch.cat([s1, s3], 1).flatten(0, 1),
                                    rows.dtype).view(len(chunk), 2 * inner, latent)
         if uniform:
-            act = expert.glu(rows.view(len(chunk), sizes[0], latent) @ w13.mT)
+            act = experts.glu(rows.view(len(chunk), sizes[0], latent) @ w13.mT)
         else:
-            act = expert.glu(torch.cat([x @ w13[i].mT for i, x in enumerate(rows.split(sizes))])).split(sizes)
+            act = experts.glu(torch.cat([x @ w13[i].mT for i, x in enumerate(rows.split(sizes))])).split(sizes)
         del w13  # before w2 is dequantized: the two are never held at once
         w2 = dequantize_unchecked(w2.flatten(0, 1), s2.flatten(0, 1), rows.dtype).view(len(chunk), latent, inner)
         out.append((act @ w2.mT).view(-1, latent) if uniform else torch.cat([a @ w2[i].mT for i, a in enumerate(act)]))
@@ -617,7 +759,8 @@ class KimiK3LatentMoE(nn.Module):
         self.dispatch = dispatch or new_dispatch(config)
         self.gate = KimiK3Router(config, num_experts, self.dispatch)
         self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
-        self.experts = nn.ModuleList(KimiK3Expert(config, packed) for _ in range(num_experts))
+        self.experts = (KimiK3Experts(config, num_experts) if packed
+                        else nn.ModuleList(KimiK3Expert(config) for _ in range(num_experts)))
         self.routed_expert_norm = (
             KimiK3RMSNorm(config.routed_expert_hidden_size, eps=config.rms_norm_eps)
             if config.latent_moe_use_norm
@@ -626,39 +769,34 @@ class KimiK3LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
         self.shared_experts = KimiK3MLP(config, config.num_shared_experts * config.moe_intermediate_size,
                                         self.dispatch)
-        self.expert_stack = None  # the MXFP4 experts' packs stacked [E, ...]; see stack_experts
+        self.expert_stack = None  # the `mxfp4.ExpertStack` of the MXFP4 experts' parameters; see stack_experts
         self.expert_parallel = None  # under tensor parallel, this rank's share of the experts (tensor_parallel.py)
 
     def _expert_key(self):
-        first, last = self.experts[0], self.experts[-1]
-        return (len(self.experts),) + tuple(p.data_ptr() for p in (first.w1.weight_packed, last.w2.weight_scale))
+        """Which parameters (the objects, which the stack keeps alive) and storage the stack was made of."""
+        experts = self.experts
+        return tuple((id(p), p.data_ptr()) for p in (experts.w1.weight_packed, experts.w3.weight_packed,
+                                                     experts.w2.weight_packed))
 
     def stack_experts(self):
-        """Stack the MXFP4 experts' packs into one `mxfp4.ExpertStack` (the per-expert parameters become views of
-        it, so nothing is held twice), which the reference and the expert kernels read. Called at load
-        (`post_init`, `from_pretrained`) and after a move (`_apply`); a no-op where the stack is current. None for
-        float experts and for experts not all on one real device (e.g. offloaded by accelerate)."""
-        first = self.experts[0].w1
-        if not isinstance(first, MXFP4Linear) or first.weight_packed.is_meta:
+        """The `mxfp4.ExpertStack` the reference and the expert kernels read: the stacked parameters themselves (no
+        copy) and their largest scale code, made again where the parameters were replaced or moved since
+        (`load_state_dict(assign=True)`, `.to()`, accelerate's offload hooks). None for float experts and on the
+        meta device."""
+        experts = self.experts
+        if not isinstance(experts, KimiK3Experts) or experts.w1.weight_packed.is_meta:
             self.expert_stack = None
         elif self.expert_stack is None or self.expert_stack.key != self._expert_key():
-            stack = stack_experts(self.experts)  # re-points the expert parameters: the key is theirs after it
-            self.expert_stack = None if stack is None else stack._replace(key=self._expert_key())
+            self.expert_stack = stack_experts(experts)._replace(key=self._expert_key())
         return self.expert_stack
 
-    def current_stack(self):
-        """The expert stack, made again where the expert parameters were replaced since (`load_state_dict(
-        assign=True)`), so that a stale stack is never read."""
-        if self.expert_stack is not None and self.expert_stack.key == self._expert_key():
-            return self.expert_stack
-        return self.stack_experts()
-
     def _apply(self, fn, *args, **kwargs):
-        """`.to()` / `.cuda()` move each expert parameter on its own: stack them again where they were stacked."""
+        """`.to()` / `.cuda()` replace the stacks: their `ExpertStack` (which reads the largest scale code on the
+        host) is made again now, never first inside a CUDA-graph capture."""
         super()._apply(fn, *args, **kwargs)
-        if self.expert_stack is not None:
-            self.stack_experts()
+        self.stack_experts()
         return self
+
 
     def forward(self, x):
         ops = self.dispatch.ops(x.device, self.routed_expert_up_proj.weight.is_meta)
@@ -708,6 +846,8 @@ class KimiK3DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.dispatch = dispatch = dispatch or new_dispatch(config)
         self.opens_block = layer_idx % config.attn_res_block_size == 0
+        self.closes_block = (layer_idx + 1) % config.attn_res_block_size == 0
+        self.bank_rows = -(-config.num_hidden_layers // config.attn_res_block_size)  # the openings of the model
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = KimiK3RMSNorm(hidden, eps)
         self.post_attention_layernorm = KimiK3RMSNorm(hidden, eps)
@@ -729,19 +869,22 @@ class KimiK3DecoderLayer(nn.Module):
         if positions is None:
             positions = next_positions(cache, partial.shape[1], partial.device)
         ops = self.dispatch.ops(partial.device, self.input_layernorm.weight.is_meta)
+        bank = BlockBank.of(bank)
+        delta = isinstance(self.self_attn, KimiK3DeltaAttention)
+        # KDA's padding tokens read zeros: the mix writes them (the fused kernel reads the mask, no extra launches)
+        padding = (attention_mask, positions) if delta and attention_mask is not None else ()
         h = ops.attn_res_mix(bank, partial, self.self_attention_res_norm, self.self_attention_res_proj,
-                             self.input_layernorm)
+                             self.input_layernorm, *padding)
         if self.opens_block:
-            bank, partial = BlockBank(tuple(bank) + (partial,)), None
-        if isinstance(self.self_attn, KimiK3DeltaAttention):
-            token_mask = attention_mask[:, positions] if attention_mask is not None else None
-            a = self.self_attn(h, token_mask, cache)
+            bank, partial = bank.opened(partial, self.bank_rows), None
+        if delta:
+            a = self.self_attn(h, None, cache)
         else:
             a = self.self_attn(h, attention_mask, cache, positions)
         partial = a if partial is None else partial + a
         h = ops.attn_res_mix(bank, partial, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
         ffn = self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
-        return (bank if isinstance(bank, tuple) else tuple(bank)), partial + ffn
+        return bank, bank.close(partial, ffn) if self.closes_block else partial + ffn
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -809,7 +952,7 @@ class KimiK3TextModel(nn.Module):
 
     def output_mix(self, bank, partial):
         """The last depth mix over every block and the final norm: the decoder's output hidden states."""
-        bank = tuple(s.to(partial.device) for s in bank)
+        bank = BlockBank.of(tuple(s.to(partial.device) for s in bank))
         ops = self.dispatch.ops(partial.device, self.norm.weight.is_meta)
         return ops.attn_res_mix(bank, partial, self.output_attn_res_norm, self.output_attn_res_proj, self.norm)
 
@@ -838,7 +981,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["KimiK3DecoderLayer"]
     _keep_in_fp32_modules = ["A_log", "dt_bias", "e_score_correction_bias"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
-    _is_stateful = True
     _keys_to_ignore_on_load_unexpected = list(VISION_KEYS)
 
     @torch.no_grad()
@@ -858,7 +1000,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, std)
             module.e_score_correction_bias.zero_()
         elif isinstance(module, MXFP4Linear) and not module.weight_packed.is_meta:
-            module.pack_(torch.randn(module.out_features, module.in_features) * std)
+            module.pack_(torch.randn(*module.weight_packed.shape[:-1], module.in_features) * std)
         elif isinstance(module, KimiK3DeltaAttention):
             module.A_log.zero_()
             # decay per step drawn log-uniformly in [1e-3, 1e-1] of the lower bound's range at zero input
@@ -898,29 +1040,26 @@ class KimiK3PreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_paths=None, **kwargs):
-        """transformers' `from_pretrained`, checked strictly, plus `fast_paths` ({"experts": "off", ...}: "auto" /
-        "on" / "off" per path), the implementations to take, resolved and logged once per device; an "on" path
-        that cannot run here is an error. It is not written to the config."""
+        """The model from a local folder or the Hub, built once and read straight from the shards
+        (`kimi_k3_loading.load_model`; under `tp_plan="auto"` this rank's shard, `tensor_parallel`), checked strictly
+        first. `device_map`, `dtype`, `max_memory` and `offload_folder` work as in transformers. `fast_paths`
+        ({"experts": "off", ...}: "auto" / "on" / "off" per path) chooses the implementations, resolved and logged
+        once per device; an "on" path that cannot run here is an error. It is not written to the config."""
         if kwargs.get("tp_plan") is not None:  # under torchrun: this rank's shard only (tensor_parallel.py)
             return load_tensor_parallel(cls, pretrained_model_name_or_path, *args, fast_paths=fast_paths, **kwargs)
         wants_info = kwargs.pop("output_loading_info", False)
-        path = checkpoint_directory(str(pretrained_model_name_or_path), kwargs)
-        config = kwargs.get("config")
-        if not isinstance(config, KimiK3Config):
-            config = KimiK3Config.from_pretrained(path)
-        new_dispatch(config).request(fast_paths)  # an "on" path whose kernel cannot run these shapes: refused now
-        check_checkpoint(cls, path, config)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                              **kwargs)
-        model.stack_experts()  # the loaded packs replaced the ones stacked at construction
-        check_loaded_scales(model, path)
-        model.dispatch.request(fast_paths)
+        model, info = load_model(cls, pretrained_model_name_or_path, args, kwargs, fast_paths)
+        model.stack_experts()
+        check_loaded_scales(model, pretrained_model_name_or_path)
         for device in {p.device for p in model.parameters()} - {torch.device("meta")}:
             model.dispatch.resolved(device)  # resolve (and log) the fast paths once per device
-        raise_on_key_problems(path, info.get("missing_keys", []), info.get("unexpected_keys", []),
-                              [str(m) for m in info.get("mismatched_keys", [])],
-                              ignored=cls._keys_to_ignore_on_load_unexpected)
         return (model, info) if wants_info else model
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        """transformers' `save_pretrained`, in the release's layout: one tensor per routed expert
+        (`kimi_k3_loading.release_state_dict`)."""
+        state_dict = release_state_dict(self.state_dict() if state_dict is None else state_dict)
+        return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
@@ -971,13 +1110,21 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         spans, where the `cuda_graphs` path is on)."""
         return KimiK3StaticCache(self.config, batch_size, max_length, cuda_graph)
 
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        """Refuse assisted decoding up front: it rolls the cache back past rejected draft tokens, which a recurrent
-        KDA state cannot do (transformers up to 5.24 refused it for stateful models; 5.25 no longer does)."""
-        if generation_mode == GenerationMode.ASSISTED_GENERATION:
-            raise ValueError(f"assisted generation is not supported by {type(self).__name__}: its KDA layers keep a "
-                             "recurrent state that cannot be rolled back past rejected draft tokens")
-        return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        """Assisted generation and prompt lookup (and this model's own `generate` as someone's assistant) roll the
+        cache back past rejected draft tokens: they get a `KimiK3Cache` up front (transformers 5.x asks for one)
+        that records what a rollback needs (`activate_past_recording`), wide enough for the draft size asked for."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        if generation_mode != GenerationMode.ASSISTED_GENERATION and not getattr(generation_config, "is_assistant",
+                                                                                  False):
+            return
+        given = [model_kwargs[k] for k in ("cache", "past_key_values") if model_kwargs.get(k) is not None]
+        cache = given[0] if given else None
+        if cache is None and generation_config.use_cache is not False:
+            cache = model_kwargs[generation_cache_key()] = KimiK3Cache(self.config)
+        if cache is not None:
+            drafts = (generation_config.prompt_lookup_num_tokens, generation_config.num_assistant_tokens)
+            cache.activate_past_recording(recurrent_states_to_keep=max(int(d or 0) for d in drafts) + 1)
 
     def generate(self, *args, chat_template_kwargs=None, **kwargs):
         """`GenerationMixin.generate`, also taking the chat template's thinking options (`thinking=False`,

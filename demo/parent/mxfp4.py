@@ -244,20 +244,10 @@ def max_scale_code(*scales):
 
 
 def stack_experts(experts):
-    """The `ExpertStack` of `experts` (a block's ModuleList of MXFP4 experts), with the per-expert parameters
-    re-pointed at views of it, so the packs are held once (values, shapes and names unchanged); its `key` is for the
-    owner to set. None where the experts are not all on one device."""
-    device = experts[0].w1.weight_packed.device
-    stacks = {}
-    for name in ("w1", "w3", "w2"):
-        for attr, short in (("weight_packed", "w"), ("weight_scale", "s")):
-            params = [getattr(getattr(e, name), attr) for e in experts]
-            if any(p.device != device for p in params):
-                return None
-            stacked = torch.stack([p.data for p in params]).contiguous()
-            for e, view in zip(experts, stacked.unbind(0)):
-                setattr(getattr(e, name), attr, torch.nn.Parameter(view, requires_grad=False))
-            stacks[short + name[1]] = stacked
-    latent, inner = experts[0].w1.in_features, experts[0].w1.out_features
-    return ExpertStack(**stacks, latent=latent, inner=inner, key=None,
+    """The `ExpertStack` of `experts` (a block's `KimiK3Experts`): its stacked parameters, not copies; its `key` is
+    for the owner to set."""
+    w1, w3, w2 = experts.w1, experts.w3, experts.w2
+    stacks = dict(w1=w1.weight_packed, s1=w1.weight_scale, w3=w3.weight_packed, s3=w3.weight_scale,
+                  w2=w2.weight_packed, s2=w2.weight_scale)
+    return ExpertStack(**stacks, latent=w1.in_features, inner=w1.out_features, key=None,
                        max_scale_code=max_scale_code(stacks["s1"], stacks["s3"], stacks["s2"]))

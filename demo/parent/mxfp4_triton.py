@@ -546,11 +546,11 @@ def run_experts_upcast_once(stack, z, ids, num_experts, beta, linear_beta, chunk
 def routed_experts(moe, z, ids):
     """`modeling_kimi_k3.routed_experts` through the Triton kernels: each (token, slot)'s expert output, unweighted,
     [N, k, L] in bf16 (z's dtype there), rows of pairs with id `num_experts` (another rank's) unwritten."""
-    stack = moe.current_stack()
+    stack = moe.stack_experts()
     if stack is None or stack.w1.device != z.device:
         raise ValueError(f"mxfp4_triton.routed_experts: the experts of a {moe.num_experts}-expert block are not "
                          f"stacked on {z.device}")
-    expert = moe.experts[0]
+    expert = moe.experts
     if upcast_once_pays(ids.numel(), moe.num_experts, z.device):
         pairs = run_experts_upcast_once(stack, z, ids, moe.num_experts, expert.beta, expert.linear_beta)
     else:

@@ -58,12 +58,14 @@ if triton is not None:
 
     @triton.jit
     def _attn_res_mix_kernel(bank_ptr, last_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, rows, eps, out_eps,
-                             N: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+                             mask_ptr, pos_ptr, tokens, mask_stride, N: tl.constexpr, H: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, MASKED: tl.constexpr):
         """One program per row (token) over its N sources, the first N - 1 from the stacked bank [N - 1, rows, H]
         and the last from [rows, H], a whole source row per load (BLOCK_H >= H): first each source's score, its dot
         with norm_w * proj_w over its rms; then, reading the same rows again (from L2: the program read them just
         before), the softmax-weighted sum in source order, fp32, rounded to the output dtype; then its RMSNorm
-        (weight out_w). Sums over H happen once per source, not once per tile."""
+        (weight out_w). Sums over H happen once per source, not once per tile. With MASKED, row b * tokens + t is
+        zeros where the key mask (rows mask_stride apart) holds 0 at the token's position pos[t] (a padding token)."""
         row = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
@@ -86,7 +88,11 @@ if triton is not None:
         mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(mixed * mixed, axis=0) / H + out_eps)
         out_w = tl.load(out_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * H + offs_h, (mixed * rstd * out_w).to(out_ptr.dtype.element_ty), mask=h_mask)
+        out = mixed * rstd * out_w
+        if MASKED:
+            position = tl.load(pos_ptr + row % tokens)
+            out = tl.where(tl.load(mask_ptr + (row // tokens) * mask_stride + position) != 0, out, 0.0)
+        tl.store(out_ptr + row * H + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)
 
     @triton.jit
     def _short_conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr, T, D, stride_xb, stride_xt, stride_yb,
@@ -469,11 +475,13 @@ def router_topk(logits, bias, top_k, renormalize, scaling):
     return ids, weights
 
 
-def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps):
+def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps, key_mask=None, positions=None):
     """RMSNorm (weight `out_weight`, eps `out_eps`) of `sum_j softmax_j((v_j / rms(v_j)) . (norm_weight *
     proj_weight)) v_j` over the sources v_j: the stacked `bank` [n - 1, ..., H], then `last` [..., H]; in fp32, the
     mix rounded to last's dtype before the norm (as the torch code does), returned in that dtype with last's shape.
-    H is at most MAX_ROW_WIDTH."""
+    With `key_mask` [B, keys] (0 = padding) and `positions` [T] for last [B, T, H], the rows of padding tokens
+    (key_mask[b, positions[t]] == 0) are zeros, read from the mask in place (no index or fill kernels). H is at most
+    MAX_ROW_WIDTH."""
     hidden = last.shape[-1]
     block_h = triton.next_power_of_2(hidden)
     if block_h > MAX_ROW_WIDTH:
@@ -482,9 +490,16 @@ def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps)
     bank, last = bank.contiguous(), last.contiguous()
     rows = last.numel() // hidden
     out = torch.empty_like(last)
+    masked = key_mask is not None
+    if masked:  # a prompt chunk's mask is a column slice: read in place through its row stride
+        key_mask = key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()
+        key_mask = key_mask.view(torch.uint8) if key_mask.dtype == torch.bool else key_mask
+        mask_args = (key_mask, positions.contiguous(), last.shape[-2], key_mask.stride(0))
+    else:
+        mask_args = (last, last, 1, 0)  # not read
     _attn_res_mix_kernel[(rows,)](bank, last, norm_weight, proj_weight, out_weight, out, rows, float(eps),
-                                  float(out_eps), N=n, H=hidden, BLOCK_N=triton.next_power_of_2(n), BLOCK_H=block_h,
-                                  num_warps=8)
+                                  float(out_eps), *mask_args, N=n, H=hidden, BLOCK_N=triton.next_power_of_2(n),
+                                  BLOCK_H=block_h, MASKED=masked, num_warps=8)
     return out
 
 

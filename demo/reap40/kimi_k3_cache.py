@@ -4,12 +4,32 @@
 step reads and writes the same addresses every time and can be replayed from CUDA graphs (`kimi_k3_runners`). Both
 are transformers `Cache`s over per-layer objects (`cache.layers[layer_idx]`, whose `update` a layer calls) and own
 their token count: the model calls `advance(n)` once the layers have seen n new tokens.
+
+Both can roll back (`crop`), which assisted generation and prompt lookup need after rejected draft tokens. An MLA
+layer keeps one latent a token and just forgets the tail. A KDA layer keeps one recurrent state, so once recording is
+on (`activate_past_recording`, which `generate` calls for assisted modes) it keeps the state from before its most
+recent tokens (at most `rollback_window` of them, since the last crop) with their delta-rule inputs and conv inputs;
+`crop` replays the delta rule over the tokens it keeps from that state (the kernel the forward used), only where
+something was rejected. Chosen against keeping the state at every position of a verification step by measurement
+(`python -m bench.speculative rollback`, bench/results/speculative_rollback_cpu.json, CPU, fastest of 15): at the
+release's KDA head shape (96 x 128) a k = 4 step plus the replay costs 1.9x the plain step where keeping every
+state costs 5.2x (k = 1..8: 1.3-2.8x against 1.2-15x); at the demo's 4 x 64 the two are within 0.1 ms (~2x).
+Replay also holds one state, not k + 1, and needs no kernel change: fla's kernels return final states only.
 """
 
 import dataclasses
 
 import torch
+import transformers
 from transformers.cache_utils import Cache
+
+# How far back a recording cache can roll by default: more than any draft transformers makes by default (10 tokens
+# for prompt lookup, 20 for an assistant model); `generate` raises it to a larger draft size it is given.
+DEFAULT_ROLLBACK_WINDOW = 64
+
+# `crop(0)` means "down to 0 tokens" under transformers 4.x (`crop(max_length)`) and "remove 0 tokens" under 5.x
+# (which takes only `crop(-n)`); every other value means the same under both.
+_CROP_ZERO_EMPTIES = int(transformers.__version__.split(".")[0]) < 5
 
 try:
     from .kimi_k3_runners import KimiK3DecodeGraph
@@ -30,10 +50,11 @@ class KimiK3CacheLayer:
 
     is_compileable = False
     is_sliding = False
-    is_croppable = False  # a KDA state cannot be rolled back, so no layer offers it
+    is_croppable = True
     supports_early_init = False
     in_place = False  # whether kernels may overwrite the state tensors they are given
     _fields = ()
+    rollback_window = 0  # tokens `crop` may remove (0: none, nothing recorded); set by the cache
 
     def __init__(self):
         self._clear()
@@ -55,30 +76,109 @@ class KimiK3CacheLayer:
 
     def reorder_cache(self, beam_idx):
         """Select batch rows (beam search)."""
+        self.forget_history()
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices):
         self.reorder_cache(indices)
 
     def batch_repeat_interleave(self, repeats):
+        self.forget_history()
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def reset(self):
+        self.forget_history()
         self._clear()
 
-    def crop(self, tokens_to_remove):
-        if tokens_to_remove:
-            raise ValueError("The Kimi K3 cache cannot drop tokens: its KDA layers keep a recurrent state, not one "
-                             "entry per token")
+    def forget_history(self):
+        """Drop what was recorded for a rollback: the tokens seen so far are final."""
+
+    def check_crop(self, tokens):
+        """Raise unless `crop(tokens)` can roll this layer back (checked on every layer before any is cropped)."""
+
+    def crop(self, tokens):
+        """Forget the last `tokens` tokens (a count >= 0; `KimiK3Cache.crop` takes transformers' conventions)."""
 
 
 class KimiK3DeltaCacheLayer(KimiK3CacheLayer):
-    """A KDA layer's state: the q, k and v short-conv histories and the fp32 recurrent state."""
+    """A KDA layer's state: the q, k and v short-conv histories and the fp32 recurrent state.
+
+    While recording (`rollback_window` > 0) it also keeps, for the `pending` tokens seen since the last crop (at most
+    the window's worth): the recurrent state before them (`base_state`), their delta-rule inputs (q, k, v, g_raw,
+    beta_raw after the convs) and the conv inputs that end with them (the kernel - 1 before included), and `replay`,
+    the layer's delta rule over such inputs from a state. The KDA block feeds them in (`stage_conv`, `record`)."""
 
     _fields = ("conv_states", "recurrent_state")
+    base_state = pending = conv_inputs = replay = staged_conv = None
 
     def update(self, conv_states, recurrent_state):
         self.conv_states, self.recurrent_state = tuple(conv_states), recurrent_state
+
+    def forget_history(self):
+        self.base_state = self.pending = self.conv_inputs = self.replay = self.staged_conv = None
+
+    def recorded(self, length):
+        """How many of a call's `length` tokens to record: the last ones, up to the window (0 when not recording)."""
+        return min(length, self.rollback_window)
+
+    def stage_conv(self, projected, kernel):
+        """Before the short convs run: the conv inputs of this call's recorded tokens with the kernel - 1 before
+        them ([B, D, kernel - 1 + kept] per q, k, v), from `projected` [B, T, D] and the conv histories."""
+        tail = kernel - 1 + self.recorded(projected[0].shape[1])
+        past = self.conv_states or tuple(x.new_zeros(x.shape[0], x.shape[-1], kernel - 1) for x in projected)
+        self.staged_conv = tuple(torch.cat([h.to(x.dtype), x[:, -tail:].transpose(1, 2)], dim=-1)[..., -tail:]
+                                 for h, x in zip(past, projected))
+
+    def record(self, inputs, base, replay):
+        """After the delta rule ran (before `update`): `inputs` (q, k, v, g_raw, beta_raw [B, T, ...]) of the call,
+        `base` the state before its recorded tokens (None: zeros), `replay(*inputs, initial_state)` -> (o, state)."""
+        length = inputs[0].shape[1]
+        kept = self.recorded(length)
+        if kept < length:  # a copy of the tail: a view would keep a whole prompt's activations alive
+            inputs = tuple(t[:, length - kept :].clone() for t in inputs)
+        kernel = self.staged_conv[0].shape[-1] - kept + 1
+        if self.pending is None or kept == self.rollback_window:  # `base` is the state before the whole window
+            self.base_state = None if base is None else (base.clone() if self.in_place else base)
+            self.pending, self.conv_inputs = inputs, self.staged_conv
+        else:  # more tokens since the last crop
+            self.pending = tuple(torch.cat(pair, dim=1) for pair in zip(self.pending, inputs))
+            self.conv_inputs = tuple(torch.cat([old, new[..., kernel - 1 :]], dim=-1)
+                                     for old, new in zip(self.conv_inputs, self.staged_conv))
+        self.replay, self.staged_conv = replay, None
+        excess = self.pending[0].shape[1] - self.rollback_window
+        if excess > 0:  # the oldest tokens become final: the base moves past them
+            self.base_state = self._state_after(excess)
+            self.pending = tuple(t[:, excess:] for t in self.pending)
+            self.conv_inputs = tuple(c[..., excess:] for c in self.conv_inputs)
+
+    def _state_after(self, tokens):
+        """The recurrent state after the first `tokens` pending tokens, replayed from the base state."""
+        if tokens == 0:
+            return self.base_state if self.base_state is not None else torch.zeros_like(self.recurrent_state)
+        return self.replay(*(t[:, :tokens] for t in self.pending), initial_state=self.base_state)[1]
+
+    def check_crop(self, tokens):
+        pending = 0 if self.pending is None else self.pending[0].shape[1]
+        if tokens > pending:
+            raise ValueError(f"The Kimi K3 cache can roll back {pending} tokens here, not {tokens}: its KDA layers "
+                             f"record the last {self.rollback_window} tokens since the previous crop (the rollback "
+                             "window; raise it with cache.activate_past_recording(recurrent_states_to_keep=N))")
+
+    def crop(self, tokens):
+        if tokens == 0:
+            self.forget_history()
+            return
+        self.check_crop(tokens)
+        pending = self.pending[0].shape[1]
+        kept = pending - tokens
+        kernel = self.conv_inputs[0].shape[-1] - pending + 1
+        state = self._state_after(kept)
+        self.set_state(tuple(c[..., kept : kept + kernel - 1] for c in self.conv_inputs), state)
+        self.forget_history()
+
+    def set_state(self, conv_states, recurrent_state):
+        """Replace the states (a rollback)."""
+        self.update(tuple(c.clone() for c in conv_states), recurrent_state)
 
 
 class KimiK3LatentCacheLayer(KimiK3CacheLayer):
@@ -106,6 +206,11 @@ class KimiK3LatentCacheLayer(KimiK3CacheLayer):
         self.latent = buffer[:, :total]
         return self.latent
 
+    def crop(self, tokens):
+        """Forget the last `tokens` latents (the buffer keeps its room: the next update writes over them)."""
+        if tokens and self.latent is not None:
+            self.latent = self.latent[:, : self.latent.shape[1] - tokens]
+
 
 class KimiK3Cache(Cache):
     """Hybrid generation cache: transformers' `Cache` over one `KimiK3DeltaCacheLayer` per KDA layer and one
@@ -121,10 +226,39 @@ class KimiK3Cache(Cache):
         self.seen_tokens = 0
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
+    rollback_window = 0  # see `activate_past_recording`
 
     def get_seq_length(self, layer_idx=0):
         return self.seen_tokens
+
+    def activate_past_recording(self, recurrent_states_to_keep=None, **kwargs):
+        """Record what `crop` needs to roll back up to max(`recurrent_states_to_keep`, DEFAULT_ROLLBACK_WINDOW)
+        tokens since the previous crop (transformers 5.x calls this before assisted decoding; `generate` here calls
+        it for assisted modes on every transformers line). Recording stays on for this cache."""
+        self.rollback_window = max(self.rollback_window, recurrent_states_to_keep or 0, DEFAULT_ROLLBACK_WINDOW)
+        for layer in self.layers:
+            layer.rollback_window = self.rollback_window
+
+    def get_recurrent_states_to_keep(self, layer_idx=None):
+        """The rollback window, under the name transformers 5.x asks for it."""
+        return self.rollback_window
+
+    def crop(self, max_length):
+        """Roll back to `max_length` tokens, or by `-max_length` tokens where negative (transformers' conventions;
+        `crop(0)` is "to 0 tokens" under 4.x, "by 0 tokens" under 5.x). Also ends the current rollback span: what
+        is kept is final. A KDA layer rolls back at most what it recorded (see `activate_past_recording`)."""
+        if max_length < 0 or (max_length == 0 and not _CROP_ZERO_EMPTIES):
+            tokens = -max_length
+        else:
+            tokens = max(self.seen_tokens - max_length, 0)
+        if tokens > self.seen_tokens:
+            raise ValueError(f"Cannot crop {tokens} tokens from a cache of {self.seen_tokens}")
+        for layer in self.layers:
+            layer.check_crop(tokens)
+        for layer in self.layers:
+            layer.crop(tokens)
+        self.seen_tokens -= tokens
 
     def get_max_length(self, layer_idx=None):
         """Tokens the cache can hold, -1 for no limit (the name of transformers 5.x)."""
@@ -195,6 +329,7 @@ class KimiK3StaticCacheLayer(KimiK3CacheLayer):
 
     def reset(self):
         """Zeroed states are what a first call starts from."""
+        self.forget_history()
         for t in self.tensors():
             t.zero_()
 
@@ -208,6 +343,9 @@ class KimiK3StaticDeltaCacheLayer(KimiK3StaticCacheLayer, KimiK3DeltaCacheLayer)
             if new is not buffer:  # fla's decode kernel and the fused short conv already wrote into their buffers
                 buffer.copy_(new)
 
+    def set_state(self, conv_states, recurrent_state):
+        self.update(conv_states, recurrent_state)  # copied into the buffers, which keep their addresses
+
 
 class KimiK3StaticLatentCacheLayer(KimiK3StaticCacheLayer, KimiK3LatentCacheLayer):
     def update(self, latent, positions):
@@ -216,6 +354,9 @@ class KimiK3StaticLatentCacheLayer(KimiK3StaticCacheLayer, KimiK3LatentCacheLaye
         if self.latent is None:
             self.latent = latent.new_zeros(self.rows, self.max_length, latent.shape[-1])
         return self.latent.index_copy_(1, positions, latent)
+
+    def crop(self, tokens):
+        """Nothing to drop: slots past the cache's token count are future keys, masked, and written over next."""
 
 
 class KimiK3StaticCache(KimiK3Cache):
@@ -290,8 +431,9 @@ class KimiK3StaticCache(KimiK3Cache):
 
     def decode_runner(self, model):
         """The `KimiK3DecodeGraph` of `model` on this cache (made by the first step that asks, kept across `reset`),
-        where `cuda_graph` is set and the `cuda_graphs` path is on for some of the model's devices; else None."""
-        if not self.cuda_graph:
+        where `cuda_graph` is set and the `cuda_graphs` path is on for some of the model's devices; else None. A
+        recording cache (assisted generation) runs its one-token steps eagerly: they record for a rollback."""
+        if not self.cuda_graph or self.rollback_window:
             return None
         if self.decode_graph is None or self.decode_graph.model is not model:
             self.decode_graph = KimiK3DecodeGraph(model)
@@ -313,6 +455,14 @@ def given_cache(cache, past_key_values, kwargs):
         raise TypeError(f"Kimi K3 needs a KimiK3Cache (KDA states beside MLA latents), got {type(cache).__name__}; "
                         "leave the cache to the model or use `make_static_cache`")
     return cache
+
+
+def generation_cache_key():
+    """The keyword `generate` keeps the cache under in its model kwargs: `cache` from transformers 5.24,
+    `past_key_values` before (the field name of its outputs)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 def output_with_cache(output_class, cache, **fields):

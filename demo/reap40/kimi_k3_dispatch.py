@@ -187,13 +187,15 @@ def on_input_device(kernel):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def fused_attn_res_mix(bank, partial, norm, proj, out_norm):
-    """`modeling_kimi_k3.attn_res_mix` as one kernel over the stacked bank (`fused_triton.attn_res_mix`)."""
+def fused_attn_res_mix(bank, partial, norm, proj, out_norm, key_mask=None, positions=None):
+    """`modeling_kimi_k3.attn_res_mix` as one kernel over the stacked bank (`fused_triton.attn_res_mix`), the
+    padding tokens' rows zeroed in it."""
     if not bank:
-        return out_norm(partial)
+        out = out_norm(partial)
+        return out if key_mask is None else out.masked_fill(~key_mask[:, positions].bool()[..., None], 0.0)
     stacked = bank.stacked() if hasattr(bank, "stacked") else torch.stack(tuple(bank))
     return triton_attn_res_mix(stacked, partial, norm.weight, proj.weight[0], norm.variance_epsilon, out_norm.weight,
-                               out_norm.variance_epsilon)
+                               out_norm.variance_epsilon, key_mask, positions)
 
 
 def fused_short_convs(projected, convs, conv_states, in_place, out_dtype=None):

@@ -1,8 +1,8 @@
 """Tensor + expert parallel Kimi K3 under torchrun: `from_pretrained(DIR, trust_remote_code=True, tp_plan="auto")`.
 
 Every rank of a `torchrun --nproc-per-node N` job builds the model on the meta device, shards it with the plan below
-(the module attributes such as `num_heads` become the rank's own counts) and reads only its own slices from the
-safetensors shards (`safe_open(...).get_slice(name)[rows]`); the routed experts stay MXFP4-packed. The plan:
+(the module attributes such as `num_heads` become the rank's own counts) and reads only its own byte ranges from the
+safetensors shards (`kimi_k3_loading.read_tensors`); the routed experts stay MXFP4-packed. The plan:
 
   * KDA and MLA split by heads (N divides both head counts): KDA's q/k/v projections and short convs, its gates
     (`f_b_proj`, `b_proj`, `g_proj`), `A_log` and `dt_bias` follow their heads; MLA's `q_b_proj`, `kv_b_proj` and
@@ -31,18 +31,16 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 try:
-    from .kimi_k3_loading import check_checkpoint, check_loaded_scales, checkpoint_directory
+    from .kimi_k3_loading import (HUB_KWARGS, IGNORED_KWARGS, build_on_meta, check_checkpoint, check_loaded_scales,
+                                  checkpoint_directory, load_generation_config, materialize, pieces_for,
+                                  read_safetensors_headers, read_tensors, resolve_dtype)
 except ImportError:  # imported from the repository root rather than as transformers remote code
-    from kimi_k3_loading import check_checkpoint, check_loaded_scales, checkpoint_directory
-
-# from_pretrained keywords that mean nothing to a tensor-parallel load (the Auto classes add some of them)
-_IGNORED_KWARGS = ("_from_auto", "_commit_hash", "adapter_kwargs", "trust_remote_code", "low_cpu_mem_usage",
-                   "use_safetensors", "code_revision", "attn_implementation")
-_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+    from kimi_k3_loading import (HUB_KWARGS, IGNORED_KWARGS, build_on_meta, check_checkpoint, check_loaded_scales,
+                                 checkpoint_directory, load_generation_config, materialize, pieces_for,
+                                 read_safetensors_headers, read_tensors, resolve_dtype)
 
 
 def all_reduce(x, group=None):
@@ -200,10 +198,9 @@ class _Plan:
 
     def latent_moe(self, moe, prefix):
         first, stop = self.tp.share(moe.num_experts)
-        moe.experts = moe.experts[first:stop]
-        for i, expert in enumerate(moe.experts):
-            for name, _ in expert.named_parameters():
-                self.sources[f"{prefix}experts.{i}.{name}"] = (f"{prefix}experts.{first + i}.{name}", ())
+        moe.experts = moe.experts.select(range(first, stop))
+        for name, _ in moe.experts.named_parameters():
+            self.sources[f"{prefix}experts.{name}"] = (f"{prefix}experts.{name}", (slice(first, stop),))
         moe.num_experts = stop - first
         moe.expert_parallel = ExpertParallel(first, stop - first, self.tp)
 
@@ -270,24 +267,6 @@ def init_distributed():
     return TensorParallel(dist.get_rank(), dist.get_world_size()), device
 
 
-def _resolve_dtype(dtype, config, headers):
-    """The float dtype to load in, as transformers reads `dtype` ("auto": the config's, else the checkpoint's; None:
-    transformers 5's default "auto", 4.x's torch default)."""
-    import transformers
-
-    if dtype is None:
-        dtype = "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.get_default_dtype()
-    if dtype == "auto":
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if dtype is None:
-            names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-            dtype = next((names[d] for _, d, _ in headers.values() if d in names), torch.get_default_dtype())
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype or 'auto'")
-    return dtype
-
-
 def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, fast_paths=None, **kwargs):
     """`cls.from_pretrained(..., tp_plan="auto")`: this rank's shard of the model, on its device, in eval mode."""
     tp_plan = kwargs.pop("tp_plan")
@@ -303,8 +282,8 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, fast_p
     dtype, torch_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)  # torch_dtype: the older name
     dtype = torch_dtype if dtype is None else dtype
     config = kwargs.pop("config", None)
-    hub = {name: kwargs.pop(name) for name in _HUB_KWARGS if name in kwargs}
-    for name in _IGNORED_KWARGS:
+    hub = {name: kwargs.pop(name) for name in HUB_KWARGS if name in kwargs}
+    for name in IGNORED_KWARGS:
         kwargs.pop(name, None)
     if config is not None and kwargs:
         raise TypeError(f"from_pretrained(tp_plan='auto') got unexpected keyword arguments {sorted(kwargs)}")
@@ -315,52 +294,22 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, fast_p
     if not isinstance(config, cls.config_class):
         config = cls.config_class.from_pretrained(directory, **kwargs)
     check_tp_size(config.text_config, tp.size)
-    headers = check_checkpoint(cls, directory, config)
-    dtype = _resolve_dtype(dtype, config, headers)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = cls(config)
-    finally:
-        torch.set_default_dtype(previous)
+    headers = read_safetensors_headers(directory)
+    dtype = resolve_dtype(dtype, config, headers)
+    model = build_on_meta(cls, config, dtype)
+    model.dispatch.request(fast_paths)
+    check_checkpoint(model, directory, config, headers)
     sources = shard(model, tp)
-    _read_shards(model, directory, headers, sources, device)
+    materialize(model, lambda name: device)
+    read_tensors(directory, headers, pieces_for(model, sources), desc=f"Loading rank {tp.rank}'s weights")
     model.eval()
     model.tensor_parallel = tp
     model.stack_experts()
     check_loaded_scales(model, directory)
-    model.dispatch.request(fast_paths)
     model.dispatch.resolved(device)  # resolve (and log) the fast paths
-    _load_generation_config(model, directory)
+    load_generation_config(model, directory)
     info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return (model, info) if wants_info else model
-
-
-def _read_shards(model, directory, headers, sources, device):
-    """Fill every (meta) parameter from its slice of the checkpoint: only this rank's bytes are read."""
-    handles = {}
-    for name, param in list(model.named_parameters()):
-        key, index = sources.get(name, (name, ()))
-        if key not in headers:
-            raise ValueError(f"{directory}: checkpoint does not match the model (missing: {key})")
-        file = headers[key][0]
-        if file not in handles:
-            handles[file] = safe_open(os.path.join(directory, file), "pt")
-        tensor = handles[file].get_slice(key)[index or slice(None)]
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"{directory}: {key}{list(index) or ''} has shape {list(tensor.shape)}, this rank's "
-                             f"{name} expects {list(param.shape)}")
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        module._parameters[leaf] = nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=False)
-
-
-def _load_generation_config(model, directory):
-    from transformers import GenerationConfig
-
-    if model.can_generate() and os.path.exists(os.path.join(directory, "generation_config.json")):
-        model.generation_config = GenerationConfig.from_pretrained(directory)
 
 
 __all__ = ["TensorParallel", "ExpertParallel", "all_reduce", "check_tp_size", "load_tensor_parallel", "shard"]
