@@ -585,7 +585,8 @@ def load_model(cls, pretrained_model_name_or_path, model_args, kwargs, fast_path
     if model_args:
         raise TypeError("Kimi K3's from_pretrained takes no positional model arguments")
     device_map = kwargs.pop("device_map", None)
-    offload = {"max_memory": kwargs.pop("max_memory", None), "offload_dir": kwargs.pop("offload_folder", None)}
+    offload = {"max_memory": kwargs.pop("max_memory", None), "offload_dir": kwargs.pop("offload_folder", None),
+               "offload_buffers": kwargs.pop("offload_buffers", False)}
     kwargs.pop("offload_state_dict", None)
     dtype, torch_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)  # torch_dtype: the older name
     dtype = torch_dtype if dtype is None else dtype
@@ -616,6 +617,7 @@ def load_model(cls, pretrained_model_name_or_path, model_args, kwargs, fast_path
             # a MoE block reads its expert stacks as tensors, not through their modules' forwards: its hook loads
             # all of its offloaded weights at once
             dispatch_model(model, device_map=placement, offload_dir=offload["offload_dir"],
+                           offload_buffers=offload["offload_buffers"],
                            skip_keys=model._skip_keys_device_placement, preload_module_classes=["KimiK3LatentMoE"])
     load_generation_config(model, directory)
     return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
