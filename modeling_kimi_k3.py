@@ -797,7 +797,6 @@ class KimiK3LatentMoE(nn.Module):
         self.stack_experts()
         return self
 
-
     def forward(self, x):
         ops = self.dispatch.ops(x.device, self.routed_expert_up_proj.weight.is_meta)
         if ops.paths.side_streams:

@@ -143,7 +143,7 @@ def bench_kind(config, kind, index, args, scratch):
 
     forward()  # warm-up: kernels compiled and tuned
     entry["forward_s"] = best_of(args.reps, forward)
-    del on_device
+    on_device.clear()
 
     def observe():
         return sq.run_layer(layer, index, calibration, list(range(batches)), store, args.chunk,
