@@ -194,3 +194,22 @@ def test_tiny_config_keeps_its_float_experts_unstacked(tmp_path):
     for name, tensor in want.items():
         assert_same_bytes(got[name], tensor, name)
     assert tiny_config(packed=False).experts_packed is False
+
+
+def test_a_tensor_after_an_odd_byte_count_is_read_through_an_aligned_copy(tmp_path):
+    """safetensors' own writer orders tensors by dtype size, so each starts aligned; another writer's file may put a
+    bf16 tensor at an odd offset, which the staging path cannot view in place."""
+    import json
+
+    odd, floats = torch.arange(7, dtype=torch.uint8), torch.randn(3, 5).to(torch.bfloat16)
+    header = {"a": {"dtype": "U8", "shape": [7], "data_offsets": [0, 7]},
+              "b": {"dtype": "BF16", "shape": [3, 5], "data_offsets": [7, 37]}}
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    (tmp_path / "odd.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + odd.numpy().tobytes()
+                                               + floats.view(torch.uint8).numpy().tobytes())
+    headers = read_safetensors_headers(tmp_path)
+    assert headers["b"].start % 2 == 1
+    got_a, got_b = torch.empty(7, dtype=torch.uint8), torch.empty(3, 5, dtype=torch.float32)
+    read_tensors(str(tmp_path), headers, [loading.Piece("a", None, None, got_a), loading.Piece("b", None, None, got_b)])
+    assert torch.equal(got_a, odd) and torch.equal(got_b, floats.float())

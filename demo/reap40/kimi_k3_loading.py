@@ -457,8 +457,10 @@ def read_tensors(directory, headers, pieces, threads=READ_THREADS, desc="Loading
                 for device in gpus:
                     streams.enter_context(torch.cuda.stream(staging.stream(device)))
                 for span in run:
-                    source = buffer[span.start - run[0].start : span.stop - run[0].start].view(span.dtype)
-                    _copy(source.view(span.shape), span.index, span.dst)
+                    source = buffer[span.start - run[0].start : span.stop - run[0].start]
+                    if (span.start - run[0].start) % span.dtype.itemsize:  # after a tensor of an odd byte count
+                        source = source.clone()
+                    _copy(source.view(span.dtype).view(span.shape), span.index, span.dst)
                 if pinned:
                     staging.copied(i, gpus)
         progress.update(run[-1].stop - run[0].start)
