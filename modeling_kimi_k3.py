@@ -1117,11 +1117,12 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         if generation_mode != GenerationMode.ASSISTED_GENERATION and not getattr(generation_config, "is_assistant",
                                                                                   False):
             return
-        given = [model_kwargs[k] for k in ("cache", "past_key_values") if model_kwargs.get(k) is not None]
+        given = [model_kwargs.pop(k) for k in ("cache", "past_key_values") if model_kwargs.get(k) is not None]
         cache = given[0] if given else None
         if cache is None and generation_config.use_cache is not False:
-            cache = model_kwargs[generation_cache_key()] = KimiK3Cache(self.config)
-        if cache is not None:
+            cache = KimiK3Cache(self.config)
+        if cache is not None:  # under the keyword the installed transformers' assisted decoding reads it from
+            model_kwargs[generation_cache_key()] = cache
             drafts = (generation_config.prompt_lookup_num_tokens, generation_config.num_assistant_tokens)
             cache.activate_past_recording(recurrent_states_to_keep=max(int(d or 0) for d in drafts) + 1)
 
