@@ -211,11 +211,10 @@ def fixed_costs():
     built = time.perf_counter()
     shapes = release_shapes(model)
     checked = time.perf_counter()
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    shard(model, TensorParallel(0, 8))
-    rank = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"meta_build_s": built - start, "shape_table_s": checked - built, "tensors": len(shapes),
-            "parameters": len(list(model.parameters())), "model_bytes": whole, "tp8_rank_bytes": rank}
+            "parameters": len(list(model.parameters())),
+            "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "tp8_rank_bytes": tp_bytes(config)}
 
 
 def main():

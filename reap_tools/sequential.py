@@ -50,8 +50,6 @@ from .release_layout import is_vision_tensor
 
 EMBED_KEY = "language_model.model.embed_tokens.weight"
 LAYER_PREFIX = "language_model.model.layers.{}."
-# safetensors float dtype names -> torch dtypes (the ones a Kimi K3 checkpoint may hold)
-TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 GB = 1e9
 
 
@@ -510,7 +508,9 @@ def checkpoint_dtype(checkpoint: Checkpoint):
     entry = checkpoint.headers.get(EMBED_KEY)
     if entry is None:
         raise ObserveError(f"{checkpoint.directory}: the checkpoint has no {EMBED_KEY}")
-    return TORCH_DTYPES[entry.dtype]
+    from kimi_k3_loading import DTYPES
+
+    return DTYPES[entry.dtype]
 
 
 def observe_cli(args, previous: dict | None) -> dict:

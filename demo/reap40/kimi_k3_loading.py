@@ -532,6 +532,17 @@ HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "rev
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
+def pop_load_kwargs(kwargs):
+    """(dtype, config, hub options) popped from `from_pretrained`'s keywords, the ones that mean nothing to this
+    loader dropped (`torch_dtype` is `dtype`'s older name)."""
+    dtype, torch_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)
+    config = kwargs.pop("config", None)
+    hub = {name: kwargs.pop(name) for name in HUB_KWARGS if name in kwargs}
+    for name in IGNORED_KWARGS:
+        kwargs.pop(name, None)
+    return (torch_dtype if dtype is None else dtype), config, hub
+
+
 def resolve_dtype(dtype, config, headers):
     """The float dtype to load in, as transformers reads `dtype` ("auto": the config's, else the checkpoint's; None:
     transformers 5's default "auto", 4.x's torch default)."""
@@ -590,12 +601,7 @@ def load_model(cls, pretrained_model_name_or_path, model_args, kwargs, fast_path
     offload = {"max_memory": kwargs.pop("max_memory", None), "offload_dir": kwargs.pop("offload_folder", None),
                "offload_buffers": kwargs.pop("offload_buffers", False)}
     kwargs.pop("offload_state_dict", None)
-    dtype, torch_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)  # torch_dtype: the older name
-    dtype = torch_dtype if dtype is None else dtype
-    config = kwargs.pop("config", None)
-    hub = {name: kwargs.pop(name) for name in HUB_KWARGS if name in kwargs}
-    for name in IGNORED_KWARGS:
-        kwargs.pop(name, None)
+    dtype, config, hub = pop_load_kwargs(kwargs)
     directory = checkpoint_directory(str(pretrained_model_name_or_path), hub)
     if not isinstance(config, cls.config_class):
         config, kwargs = cls.config_class.from_pretrained(directory, return_unused_kwargs=True, **kwargs)

@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from .kimi_k3_loading import (HUB_KWARGS, IGNORED_KWARGS, build_on_meta, check_checkpoint, check_loaded_scales,
-                                  checkpoint_directory, load_generation_config, materialize, pieces_for,
+    from .kimi_k3_loading import (build_on_meta, check_checkpoint, check_loaded_scales, checkpoint_directory,
+                                  load_generation_config, materialize, pieces_for, pop_load_kwargs,
                                   read_safetensors_headers, read_tensors, resolve_dtype)
 except ImportError:  # imported from the repository root rather than as transformers remote code
-    from kimi_k3_loading import (HUB_KWARGS, IGNORED_KWARGS, build_on_meta, check_checkpoint, check_loaded_scales,
-                                 checkpoint_directory, load_generation_config, materialize, pieces_for,
+    from kimi_k3_loading import (build_on_meta, check_checkpoint, check_loaded_scales, checkpoint_directory,
+                                 load_generation_config, materialize, pieces_for, pop_load_kwargs,
                                  read_safetensors_headers, read_tensors, resolve_dtype)
 
 
@@ -279,12 +279,7 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, fast_p
         raise TypeError("tp_plan='auto' takes no positional model arguments")
     tp_size = kwargs.pop("tp_size", None)
     wants_info = kwargs.pop("output_loading_info", False)
-    dtype, torch_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)  # torch_dtype: the older name
-    dtype = torch_dtype if dtype is None else dtype
-    config = kwargs.pop("config", None)
-    hub = {name: kwargs.pop(name) for name in HUB_KWARGS if name in kwargs}
-    for name in IGNORED_KWARGS:
-        kwargs.pop(name, None)
+    dtype, config, hub = pop_load_kwargs(kwargs)
     if config is not None and kwargs:
         raise TypeError(f"from_pretrained(tp_plan='auto') got unexpected keyword arguments {sorted(kwargs)}")
     tp, device = init_distributed()
