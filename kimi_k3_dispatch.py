@@ -25,7 +25,8 @@ try:
     from .fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from .fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
     from .kda import kda_forward, supported as fla_supported
-    from .mxfp4_triton import routed_experts as triton_routed_experts, situ_glu as triton_situ_glu
+    from .mxfp4_triton import (routed_expert_sum as triton_routed_expert_sum, routed_experts as triton_routed_experts,
+                               situ_glu as triton_situ_glu)
     from .mxfp4_triton import supported as experts_supported
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import check_fast_paths
@@ -35,7 +36,8 @@ except ImportError:  # imported from the repository root rather than as transfor
     from fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
     from kda import kda_forward, supported as fla_supported
-    from mxfp4_triton import routed_experts as triton_routed_experts, situ_glu as triton_situ_glu
+    from mxfp4_triton import (routed_expert_sum as triton_routed_expert_sum, routed_experts as triton_routed_experts,
+                              situ_glu as triton_situ_glu)
     from mxfp4_triton import supported as experts_supported
 
 logger = logging.get_logger("transformers.kimi_k3")
@@ -80,6 +82,7 @@ class Ops:
     router_logits: callable
     router_topk: callable
     routed_experts: callable
+    routed_expert_sum: callable
     pair_sum_norm: callable
 
 
@@ -252,7 +255,7 @@ def resolve_ops(paths, reference, skipped=()):
                        router_logits=fp32_router_logits, router_topk=triton_router_topk,
                        pair_sum_norm=fused_pair_sum_norm)
     if paths.experts:
-        kernels.update(routed_experts=triton_routed_experts)
+        kernels.update(routed_experts=triton_routed_experts, routed_expert_sum=triton_routed_expert_sum)
     kernels = {name: on_input_device(fn) for name, fn in kernels.items() if name not in skipped}
     if paths.kda or paths.kda_prefill:
         kernels["delta_rule"] = on_input_device(fla_delta_rule(paths.kda_prefill, paths.kda))

@@ -740,6 +740,16 @@ def stacked_experts(stack, experts, routed, counts):
     return torch.cat(out) if out else routed
 
 
+def routed_expert_sum(moe, z, ids, weights, first):
+    """A rank's share of `sum_k w_k expert_k(z)` under expert parallel, fp32 [N, 1, L]: the weighted sum over the
+    (token, slot) pairs whose experts the block holds, experts `first` .. `first + moe.num_experts - 1` of the
+    router's ids [N, k]; one all-reduce over the ranks completes it."""
+    local = ids - first
+    local = torch.where((local >= 0) & (local < moe.num_experts), local, moe.num_experts)
+    pairs = routed_experts(moe, z, local)  # another rank's pairs: rows of zeros
+    return (pairs.float() * weights.float().unsqueeze(-1)).sum(1, keepdim=True)
+
+
 def pair_sum_norm(pairs, weights, norm, dtype):
     """`norm` of the per-(token, slot) expert outputs `pairs` [N, k, L] weighted by `weights` [N, k] in fp32 (None:
     `pairs` are weighted fp32 terms already) and summed over k, rounded to `dtype`: [N, L]."""
@@ -808,13 +818,12 @@ class KimiK3LatentMoE(nn.Module):
 
     def latent_experts(self, z, ids, weights, ops):
         """The routed half in the latent space: `up(norm(sum_k w_k expert_k(z)))` for the latents z [N, L]. Under
-        expert parallel this rank runs its experts' pairs and one all-reduce sums the weighted latent."""
+        expert parallel this rank sums its experts' weighted pairs and one all-reduce completes the sum."""
         ep = self.expert_parallel
-        if ep is not None:
-            ids = ep.local_ids(ids)
-        pairs = ops.routed_experts(self, z, ids)
-        if ep is not None:
-            pairs, weights = ep.sum_pairs(pairs, weights, ids), None
+        if ep is None:
+            pairs = ops.routed_experts(self, z, ids)
+        else:
+            pairs, weights = ep.all_reduce(ops.routed_expert_sum(self, z, ids, weights, ep.first)), None
         return self.routed_expert_up_proj(ops.pair_sum_norm(pairs, weights, self.routed_expert_norm, z.dtype))
 
 
@@ -824,7 +833,7 @@ REFERENCE_OPS = Ops(
     paths=FastPaths(), situ_glu=situ_glu, attn_res_mix=attn_res_mix, short_convs=short_convs, delta_rule=kda_forward,
     gated_rms_norm=gated_rms_norm, mla_keys=mla_keys, sigmoid_gated_heads=sigmoid_gated_heads,
     latent_attention=latent_attention, router_logits=router_logits, router_topk=router_topk,
-    routed_experts=routed_experts, pair_sum_norm=pair_sum_norm,
+    routed_experts=routed_experts, routed_expert_sum=routed_expert_sum, pair_sum_norm=pair_sum_norm,
 )
 
 

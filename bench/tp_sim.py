@@ -97,7 +97,7 @@ ALL_REDUCE_MODEL = {
 # checked against.
 PLAN_ALL_REDUCES = {
     "kda_moe": ["self_attn.o_proj (columns split, _sum_output hook)", "block_sparse_moe.shared_experts.down_proj "
-                "(_sum_output hook)", "block_sparse_moe expert-parallel fp32 latent sum (ExpertParallel.sum_pairs)"],
+                "(_sum_output hook)", "block_sparse_moe expert-parallel fp32 latent sum (ExpertParallel.all_reduce)"],
     "dense0": ["self_attn.o_proj (_sum_output hook)", "mlp.down_proj (_sum_output hook)"],
     "head": ["embed_tokens (VocabParallelEmbedding)", "lm_head logits, whole vocabulary (_gather_vocab hook)"],
 }
@@ -486,16 +486,17 @@ def measure_head(language, text, batch, reps, copy_bw):
 
 
 def experts_call(moe, z, ids, weights):
-    """The block's routed-experts op as its forward dispatches it (the Triton kernels where the experts path is on),
-    then the weighted pair sum."""
+    """The rank's routed experts as its decode step runs them: the weighted fp32 sum over its experts' pairs
+    (`routed_expert_sum`, the router's ids as they are), then the latent norm (the all-reduce between left out)."""
     ops = moe.dispatch.ops(z.device)
-    return ops.pair_sum_norm(ops.routed_experts(moe, z, ids), weights, moe.routed_expert_norm, z.dtype)
+    partial = ops.routed_expert_sum(moe, z, ids, weights, moe.expert_parallel.first)
+    return ops.pair_sum_norm(partial, None, moe.routed_expert_norm, z.dtype)
 
 
 def experts_call_sweep(moe, batch, reps, seed):
     """Median ms of the rank's experts call at `batch` tokens against the number of its experts hit (one pair
-    each; the other pairs on other ranks' experts, id = count, as `ExpertParallel.local_ids` marks them)."""
-    k, count = moe.gate.top_k, moe.num_experts
+    each; the other pairs on other ranks' experts)."""
+    k, count, first = moe.gate.top_k, moe.num_experts, moe.expert_parallel.first
     device = common.DEVICE
     gen = torch.Generator(device=device).manual_seed(seed)
     z = torch.randn(batch, moe.routed_expert_down_proj.out_features, device=device, generator=gen,
@@ -504,9 +505,10 @@ def experts_call_sweep(moe, batch, reps, seed):
     out = {}
     for hits in sorted({min(h, count, batch * k) for h in ((1, 2, 3, 4, 6, 8, 16) if batch == 1 else
                                                            (4, 8, 12, 16, 20, 24, 32, 40))}):
-        ids = torch.full((batch, k), count, dtype=torch.int64, device=device)
+        foreign = (first + count) % (TP * count)  # the first expert of the next rank
+        ids = torch.full((batch, k), foreign, dtype=torch.int64, device=device)
         j = torch.arange(hits, device=device)
-        ids[j % batch, j // batch] = j
+        ids[j % batch, j // batch] = first + j
         out[str(hits)] = time_step(lambda: experts_call(moe, z, ids, weights), lambda: None, reps)["ms"]
     return out
 

@@ -213,17 +213,20 @@ def test_expert_parallel_moe_block_sums_to_the_whole_block(tokens, monkeypatch):
         whole = moe(x)
         out, ranks = two_rank_moe(moe, x, monkeypatch)
         ids, _ = moe.gate(x)
-    local = [r.expert_parallel.local_ids(ids) for r in ranks]
-    assert ((local[0] < 4).int() + (local[1] < 4).int() == 1).all(), "a pair is on no rank or on both"
+    held = [(ids >= r.expert_parallel.first) & (ids < r.expert_parallel.first + r.expert_parallel.count)
+            for r in ranks]
+    assert [r.expert_parallel.count for r in ranks] == [4, 4]
+    assert (held[0].int() + held[1].int() == 1).all(), "a pair is on no rank or on both"
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_per_pair_expert_outputs_are_weighted_and_summed_by_the_block(ranks, monkeypatch):
-    """The `routed_experts` op's contract, which the expert kernels keep: each (token, slot)'s expert output on its
-    own, unweighted, other ranks' rows not to be read; `pair_sum_norm` weights them in fp32 and sums them, under
-    expert parallel through `ExpertParallel.sum_pairs`. A torch stand-in for the kernels (its other ranks' rows NaN)
-    gives the reference path's output, whole and as two expert-parallel ranks."""
+    """The contracts of the expert ops, which the expert kernels keep. `routed_experts`: each (token, slot)'s
+    expert output on its own, unweighted, which `pair_sum_norm` weights in fp32 and sums. `routed_expert_sum`
+    (expert parallel): the weighted fp32 sum over the pairs of the rank's experts, given the router's ids, which
+    one all-reduce completes. Torch stand-ins for the kernels (rows they must not read NaN) give the reference
+    path's output, whole and as two expert-parallel ranks."""
     import dataclasses
 
     from kimi_k3_dispatch import FastPathDispatch, FastPaths
@@ -237,10 +240,17 @@ def test_per_pair_expert_outputs_are_weighted_and_summed_by_the_block(ranks, mon
                 out[token, slot] = moe.experts[e](z[token : token + 1])[0]
         return out
 
+    def share_sum(moe, z, ids, weights, first):
+        local = ids - first
+        held = (local >= 0) & (local < moe.num_experts)
+        pairs = per_pair_outputs(moe, z, torch.where(held, local, moe.num_experts))
+        return torch.where(held[..., None], pairs.float() * weights[..., None], 0.0).sum(1, keepdim=True)
+
     model = random_model(tiny_config(packed=True, **TEXT), seed=1)
     moe = model.language_model.model.layers[1].block_sparse_moe
     x = torch.randn(7, model.config.text_config.hidden_size)
-    stand_in = dataclasses.replace(REFERENCE_OPS, paths=FastPaths(experts=True), routed_experts=per_pair_outputs)
+    stand_in = dataclasses.replace(REFERENCE_OPS, paths=FastPaths(experts=True), routed_experts=per_pair_outputs,
+                                   routed_expert_sum=share_sum if ranks == 2 else None)
     with torch.no_grad():
         whole = moe(x)
         monkeypatch.setattr(FastPathDispatch, "ops", lambda self, device, offloaded=False: stand_in)

@@ -34,10 +34,13 @@ RANDOM_MOE = textwrap.dedent(
 
 MXFP4_SCRIPT = textwrap.dedent(
     """
+    import copy
     import torch
     import mxfp4_triton as mt
+    from modeling_kimi_k3 import routed_expert_sum
     from mxfp4 import dequantize_mxfp4
     from reap_tools.tiny import random_model, tiny_config
+    from tensor_parallel import TensorParallel, shard
 
     torch.manual_seed(0)
     for latent, inner, experts, top_k, tokens in [(32, 32, 8, 2, 5), (64, 96, 6, 3, 7), (128, 64, 5, 2, 40),
@@ -70,6 +73,31 @@ MXFP4_SCRIPT = textwrap.dedent(
                                      h_dtype=torch.float32)
             err = (((outputs.double() * weights.double()[..., None]).sum(1) - ref).norm() / ref.norm()).item()
             assert outputs.shape == (*ids.shape, latent) and err < 1e-4, (latent, inner, name, "per pair", err)
+        # expert parallel: two ranks' stacks of consecutive experts, given the router's ids as they are, each sum
+        # their own pairs; the two sums add up to the whole (one pair a block at one token, sorted blocks else)
+        half = experts // 2
+        for name, conf in mt.CONFIGS.items():
+            shares = []
+            for first, stop in ((0, half), (half, experts)):
+                share = stack._replace(**{k: getattr(stack, k)[first:stop]
+                                          for k in ("w1", "s1", "w3", "s3", "w2", "s2")})
+                shares.append(mt.run_experts(share, z, ids, weights, stop - first, 4.0, 25.0, config=conf,
+                                             dot_scaled=False, atomic=True, h_dtype=torch.float32, first=first))
+            err = ((shares[0].double() + shares[1].double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-4, (latent, inner, name, "expert parallel", err)
+            mine = (ids >= half) & (ids < experts)
+            alone = (ref - mt.run_experts(stack, z, torch.where(mine, ids, experts), weights, experts, 4.0, 25.0,
+                                          config=conf, dot_scaled=False, atomic=True, h_dtype=torch.float32).double())
+            err = ((shares[0].double() - alone).norm() / alone.norm().clamp(min=1e-30)).item()
+            assert err < 1e-4, (latent, inner, name, "rank 0's share", err)
+        # the dispatch's op on rank 1 of a sharded block, against the reference op (bf16 rounding, truncated)
+        block = copy.deepcopy(moe)
+        shard(block, TensorParallel(1, 2))
+        first = block.expert_parallel.first
+        got = mt.routed_expert_sum(block, z, ids, weights, first)
+        want = routed_expert_sum(block, z, ids, weights, first)
+        assert got.shape == want.shape == (tokens, 1, latent)
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
     print("ok")
     """
 )
