@@ -145,7 +145,7 @@ if triton is not None:
         e = tl.arange(0, BLOCK_E)
         valid = e < E
         logit = tl.load(logits_ptr + row * E + e, mask=valid, other=0.0)
-        biased = tl.sigmoid(logit) + tl.load(bias_ptr + e, mask=valid, other=0.0)
+        biased = tl.sigmoid(logit) + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
         bits = biased.to(tl.int32, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         ordered = tl.where(valid, ordered, -2147483648)
@@ -462,7 +462,8 @@ def sigmoid_gated_heads(attn, gate):
 
 def router_topk(logits, bias, top_k, renormalize, scaling):
     """`KimiK3Router`'s choice from its fp32 logits [N, E]: (ids [N, k] int64, weights [N, k] fp32), slots in
-    descending order of the biased score. top_k must be a power of two (tl.topk)."""
+    descending order of the biased score (the bias read in its own dtype, added in fp32). top_k must be a power of
+    two (tl.topk)."""
     if top_k & (top_k - 1):
         _refuse("router_topk", f"top_k = {top_k} is not a power of two")
     logits = logits.contiguous()
@@ -470,7 +471,7 @@ def router_topk(logits, bias, top_k, renormalize, scaling):
     ids = torch.empty(rows, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(rows, top_k, dtype=torch.float32, device=logits.device)
     block_e = triton.next_power_of_2(max(experts, top_k))
-    _router_topk_kernel[(rows,)](logits, bias.float().contiguous(), ids, weights, experts, float(scaling), K=top_k,
+    _router_topk_kernel[(rows,)](logits, bias.contiguous(), ids, weights, experts, float(scaling), K=top_k,
                                  BLOCK_E=block_e, RENORMALIZE=bool(renormalize), num_warps=4)
     return ids, weights
 

@@ -203,14 +203,15 @@ FUSED_SCRIPT = textwrap.dedent(
         assert all(torch.equal(y32, y.float()) for y32, y in zip(outs32, outs)), "fp32 outputs: other values"
 
     # the router's top-k: the biased scores' order (ties to the lower index, as a stable sort), unbiased weights
-    for rows, experts, k, renorm in [(1, 320, 16, True), (5, 20, 4, True), (3, 8, 8, False), (2, 300, 2, True)]:
-        logits, bias = torch.randn(rows, experts) * 3, torch.randn(experts) * 0.1
+    for rows, experts, k, renorm, bias_dtype in [(1, 320, 16, True, torch.float32), (5, 20, 4, True, torch.float32),
+                                                 (3, 8, 8, False, torch.float32), (2, 300, 2, True, torch.bfloat16)]:
+        logits, bias = torch.randn(rows, experts) * 3, (torch.randn(experts) * 0.1).to(bias_dtype)
         if rows > 1:  # a row whose first half ties (zero bias there), its second half far below
             bias[: experts // 2] = 0.0
             logits[1, : experts // 2], logits[1, experts // 2 :] = 0.5, -10.0
         ids, weights = fused_triton.router_topk(logits, bias, k, renorm, 2.5)
         scores = logits.sigmoid()
-        ref_ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :k]
+        ref_ids = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices[:, :k]
         ref_weights = scores.gather(-1, ref_ids)
         if renorm:
             ref_weights = ref_weights / (ref_weights.sum(-1, keepdim=True) + 1e-20)
