@@ -781,6 +781,7 @@ class KimiK3LatentMoE(nn.Module):
                                         self.dispatch)
         self.expert_stack = None  # the `mxfp4.ExpertStack` of the MXFP4 experts' parameters; see stack_experts
         self.expert_parallel = None  # under tensor parallel, this rank's share of the experts (tensor_parallel.py)
+        self.pairs_observer = None  # called with each forward's per-pair expert outputs (reap_tools' observer)
 
     def _expert_key(self):
         """Which parameters (the objects, which the stack keeps alive) and storage the stack was made of."""
@@ -822,6 +823,8 @@ class KimiK3LatentMoE(nn.Module):
         ep = self.expert_parallel
         if ep is None:
             pairs = ops.routed_experts(self, z, ids)
+            if self.pairs_observer is not None:
+                self.pairs_observer(pairs)
         else:
             pairs, weights = ep.all_reduce(ops.routed_expert_sum(self, z, ids, weights, ep.first)), None
         return self.routed_expert_up_proj(ops.pair_sum_norm(pairs, weights, self.routed_expert_norm, z.dtype))

@@ -161,10 +161,13 @@ class SaliencyObserver:
                 # inside the block's forward, where an offloaded block's weights are loaded (accelerate's hook)
                 block.routed_expert_up_proj.register_forward_pre_hook(self._block_hook(i, block)),
             ]
+            block.pairs_observer = self._pairs_observer(i)
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
+        for block in self.blocks.values():
+            block.pairs_observer = None
         self._handles = []
         self._pending.clear()
 
@@ -196,17 +199,24 @@ class SaliencyObserver:
             self._pending.setdefault(i, {})["z"] = output
         return hook
 
+    def _pairs_observer(self, i):
+        def observe(pairs):
+            self._pending.setdefault(i, {})["pairs"] = pairs
+        return observe
+
     def _block_hook(self, i, block):
         def hook(module, args):
             seen = self._pending.pop(i, {})
             if not {"ids", "weights", "z"} <= set(seen):
                 raise RuntimeError(f"observe: layer {i}: the MoE block ran without calling its gate and "
                                    f"routed_expert_down_proj once each (got {sorted(seen)})")
-            self._accumulate(i, block, seen["ids"], seen["weights"], seen["z"])
+            self._accumulate(i, block, seen["ids"], seen["weights"], seen["z"], seen.get("pairs"))
         return hook
 
     @torch.no_grad()
-    def _accumulate(self, i, block, ids, weights, z) -> None:
+    def _accumulate(self, i, block, ids, weights, z, pairs=None) -> None:
+        """Add one forward's statistics of block i: from its per-pair expert outputs `pairs` as the forward computed
+        them, or (a block that gave none: an expert-parallel share) computed again from the latents z."""
         n, n_experts = z.shape[0], self.experts[i]
         device = z.device
         ids, weights = ids.to(device), weights.to(device)
@@ -219,7 +229,10 @@ class SaliencyObserver:
                                    f"covers {self._mask.numel()} (call set_mask with this forward's [B, T] mask)")
             keep = self._mask.to(device).nonzero().squeeze(1)
             ids, weights, z = ids[keep], weights[keep], z[keep]
-        norms = torch.linalg.vector_norm(expert_outputs(block, z, ids).to(torch.float64), dim=-1)
+            pairs = None if pairs is None else pairs[keep]
+        if pairs is None:
+            pairs = expert_outputs(block, z, ids)
+        norms = torch.linalg.vector_norm(pairs.to(torch.float64), dim=-1)
         flat = ids.reshape(-1)
         norms = norms.reshape(-1)
         stats = torch.zeros(len(FIELDS), n_experts, dtype=torch.float64, device=device)

@@ -180,6 +180,28 @@ def test_a_mask_of_the_wrong_size_is_an_error(hand_set):
             model(torch.arange(6)[None])
 
 
+def test_the_observer_reads_the_forwards_own_expert_outputs(hand_set, monkeypatch):
+    """The expert outputs are the ones the block's forward computed (no second experts call), and the statistics
+    are those of computing them again from the captured latents: the same counts, the sums to fp32 rounding (the
+    forward ran its padded rows too, and a matmul's rounding may depend on how many rows it has)."""
+    _, model, _ = hand_set
+    batches, total = random_batches()
+    again = []
+    recompute = ob.expert_outputs
+    monkeypatch.setattr(ob, "expert_outputs", lambda *args: again.append(1) or recompute(*args))
+    own = ob.observe(model, batches, total_sequences=total, progress=False)
+    assert not again, "the observer ran the experts a second time"
+    blocks = ob.find_moe_blocks(model)
+    monkeypatch.setattr(ob.SaliencyObserver, "_pairs_observer", lambda self, i: None)  # blocks that give none
+    computed = ob.observe(model, batches, total_sequences=total, progress=False)
+    assert len(again) == len(blocks) * len(batches)
+    for i, layer in own["layers"].items():
+        assert layer["count"] == computed["layers"][i]["count"]
+        for field in ("reap_sum", "ean_sum", "max_norm"):
+            np.testing.assert_allclose(layer[field], computed["layers"][i][field], rtol=1e-6, err_msg=field)
+    assert all(block.pairs_observer is None for block in blocks.values()), "the observer left its callback behind"
+
+
 def random_batches(n_batches=4, batch_size=2, seq_len=16, seed=0):
     sequences = list(np.random.default_rng(seed).integers(0, 500, (n_batches * batch_size, seq_len)))
     sequences[-1] = sequences[-1][:9]  # the last batch is padded
