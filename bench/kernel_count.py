@@ -9,10 +9,13 @@ decode graph's stages on a static cache (its mask and positions as `prepare` mak
     is counted apart: it would break a CUDA graph);
   * GEMMs among them (mm, addmm, bmm, `_grouped_mm`); cuBLAS may add a split-K reduction to some, not counted;
   * `tensor_parallel.all_reduce` calls (rank 0 of 8, the model sharded by `tensor_parallel.shard`).
-The counts depend on the code path, not on the widths (the expert kernels' blocks at batch 1 are one a pair). A GPU
-profile (`bench.tp_sim`) counts what really launches; this count runs anywhere, and is what the CPU can say.
+The counts depend on the code path, not on the widths (the expert kernels' blocks at batch 1 are one a pair). One
+artefact: a decode step's block bank is one buffer that the depth mixes read in place, recognised by tensor identity,
+which the fake GPU's aliases lose; the `stack` of the bank counted at each MoE layer's first mix here does not run on
+a GPU (tests/test_decode_glue.py checks that on real tensors). A GPU profile (`bench.tp_sim`) counts what really
+launches; this count runs anywhere, and is what the CPU can say.
 
-    python -m bench.kernel_count [--batch 1] [--out bench/results/kernel_count.json]
+    python -m bench.kernel_count [--batch 1 8] [--trace] [--out bench/results/kernel_count.json]
 """
 
 import argparse
@@ -21,6 +24,7 @@ import contextlib
 import copy
 import json
 import os
+import traceback
 from unittest import mock
 
 import torch
@@ -55,7 +59,7 @@ class KernelCounter(TorchDispatchMode):
         super().__init__()
         self.label = None
         self.counts = collections.defaultdict(collections.Counter)
-        self.trace = [] if os.environ.get("KERNEL_COUNT_TRACE") else None
+        self.trace = None  # a list: each counted op's (label, name, where in the model's code)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -87,8 +91,7 @@ class OneKernelOnCuda(TorchFunctionMode):
 
 
 def _model_frame():
-    """file:line function of the innermost frame in the model's own code (for KERNEL_COUNT_TRACE=1)."""
-    import traceback
+    """file:line function of the innermost frame in the model's own code."""
     for frame in reversed(traceback.extract_stack()):
         if os.path.dirname(os.path.abspath(frame.filename)) == common.ROOT:
             return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
@@ -113,11 +116,12 @@ def stage_labels(model):
     return ["embed", *(f"layer {i} ({kind})" for i, kind in enumerate(kinds)), "output", "head"]
 
 
-def count_step(model, batch):
+def count_step(model, batch, trace=False):
     """{stage label: {"kernels", "gemms", "triton", "all_reduces", "host_reads", "ops"}} for one decode step at
     `batch` rows on the fake GPU, after a first step (the cache's lazily made buffers are made there)."""
     to_fake_gpu(model)
     counter, reduces = KernelCounter(), collections.Counter()
+    counter.trace = [] if trace else None
 
     def all_reduce(x, group=None):
         reduces[counter.label] += 1
@@ -169,6 +173,7 @@ def count_step(model, batch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--trace", action="store_true", help="also list each counted op and where the model calls it")
     parser.add_argument("--out", default=os.path.join(common.ROOT, "bench", "results", "kernel_count.json"))
     args = parser.parse_args()
     results = {"method": __doc__.split("\n\n")[1], "tp": TP, "context": CONTEXT, "steps": {}}
@@ -178,7 +183,7 @@ def main():
             model = copy.deepcopy(base)
             if name != "tp1":
                 shard(model, TensorParallel(0, TP))
-            counts = count_step(model, batch)
+            counts = count_step(model, batch, args.trace)
             results["steps"][f"{name} b{batch}"] = counts
             print(f"{name}, batch {batch}: kernels (GEMMs, Triton) + all-reduces a stage")
             for label, c in counts.items():

@@ -1,0 +1,56 @@
+"""The kernels a decode step launches, counted on the CPU (`bench/kernel_count.py`): what must not come back."""
+
+import copy
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from bench import kernel_count  # noqa: E402
+from tensor_parallel import TensorParallel, shard  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def counts():
+    base = kernel_count.build_model()
+    out = {}
+    for batch in (1, 8):
+        for tp in (1, kernel_count.TP):
+            model = copy.deepcopy(base)
+            if tp > 1:
+                shard(model, TensorParallel(0, tp))
+            out[tp, batch] = kernel_count.count_step(model, batch)
+    return out
+
+
+def moe_layers(step):
+    return [label for label in step if label.endswith("_moe)")]
+
+
+def test_no_decode_stage_reads_the_host(counts):
+    """A host read in a decode step would stop it being captured in a CUDA graph."""
+    reads = {(tp, batch, label): c["host_reads"] for (tp, batch), step in counts.items() for label, c in step.items()
+             if c["host_reads"]}
+    assert not reads
+
+
+def test_an_expert_parallel_rank_launches_one_kernel_more_than_the_whole_layer(counts):
+    """At batch 1 a rank's MoE layer takes the router's ids as they are and sums its pairs in the w2 kernel: only
+    the fp32 row the kernel adds into (one fill) is new; no id remap, no per-pair sum."""
+    whole, rank = counts[1, 1], counts[kernel_count.TP, 1]
+    for label in moe_layers(whole):
+        assert rank[label]["kernels"] == whole[label]["kernels"] + 1, (label, rank[label]["ops"], whole[label]["ops"])
+        assert rank[label]["all_reduces"] == 3 and whole[label]["all_reduces"] == 0
+        assert {"where", "sub", "bitwise_and", "sum"}.isdisjoint(rank[label]["ops"]), rank[label]["ops"]
+        assert rank[label]["triton"]["_w13_kernel"] == rank[label]["triton"]["_w2_kernel"] == 1
+
+
+def test_the_count_sees_every_kind_of_launch(counts):
+    """GEMMs, Triton kernels, fla's recurrence and torch's own kernels each show up (the counter is not blind)."""
+    step = counts[1, 1]
+    kda = step["layer 1 (kda_moe)"]
+    assert kda["gemms"] >= 5 and kda["triton"].get("fla_fused_recurrent_kda") == 1
+    assert kda["kernels"] > kda["gemms"] + sum(kda["triton"].values())
+    assert "_latent_attention_combine_kernel" in step["layer 3 (mla_moe)"]["triton"]
