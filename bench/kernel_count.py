@@ -100,13 +100,17 @@ def _model_frame():
 
 def build_model():
     """The release config at tiny widths, four decoder layers as the release's first four: KDA + dense MLP, KDA + MoE
-    twice, MLA + MoE."""
+    twice, MLA + MoE; bf16 but the parameters a load keeps in fp32."""
     config = load_config(tiny=True)
     d = config.to_dict()
     d["text_config"].update(num_hidden_layers=4)
     d["text_config"]["linear_attn_config"].update(kda_layers=[1, 2, 3], full_attn_layers=[4])
     config = type(config)(**d)
-    return random_model(config, seed=0).to(torch.bfloat16).eval()
+    model = random_model(config, seed=0).to(torch.bfloat16).eval()
+    for name, param in model.named_parameters():  # in fp32, as a bf16 load keeps them
+        if name.rsplit(".", 1)[-1] in model._keep_in_fp32_modules:
+            param.data = param.data.float()
+    return model
 
 
 def stage_labels(model):
