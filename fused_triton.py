@@ -267,8 +267,9 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _latent_attention_split_kernel(q_ptr, kv_ptr, valid_ptr, pos_ptr, acc_ptr, ml_ptr, H, C, R, NS,
-                                       stride_qb, stride_kb, stride_vb, scale, BLOCK_H: tl.constexpr,
+    def _latent_attention_split_kernel(qc_ptr, qr_ptr, kv_ptr, valid_ptr, pos_ptr, acc_ptr, ml_ptr, H, C, R, NS,
+                                       stride_qcb, stride_qch, stride_qrb, stride_qrh, stride_kb, stride_vb, scale,
+                                       BLOCK_H: tl.constexpr,
                                        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                                        HAS_VALID: tl.constexpr, IEEE: tl.constexpr, STEP: tl.constexpr,
                                        PIPELINED: tl.constexpr, PLAIN_MAX_KEYS: tl.constexpr):
@@ -295,9 +296,10 @@ if triton is not None:
         h_mask = offs_h < H
         offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
         c_mask, r_mask = offs_c < C, offs_r < R
-        q_row = q_ptr + b * stride_qb + offs_h[:, None] * (C + R)
-        q_c = tl.load(q_row + offs_c[None, :], mask=h_mask[:, None] & c_mask[None, :], other=0.0)
-        q_r = tl.load(q_row + C + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+        q_c = tl.load(qc_ptr + b * stride_qcb + offs_h[:, None] * stride_qch + offs_c[None, :],
+                      mask=h_mask[:, None] & c_mask[None, :], other=0.0)
+        q_r = tl.load(qr_ptr + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                      mask=h_mask[:, None] & r_mask[None, :], other=0.0)
         m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
         l = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
@@ -350,15 +352,15 @@ if triton is not None:
 LATENT_CONFIG = dict(heads=64, warps=8, programs=256, plain_max_keys=256, plain=(32, 3), pipelined=(64, 2))
 
 
-def latent_attention(q, latent, position, key_mask, scale, latent_width):
-    """One query's attention over cached latents: `q` [B, H, C + R] (the absorbed no-position part against the
-    latent's first C = `latent_width` values, then the R rope-style values), `latent` [B, keys, C + R], `position`
-    a one-element device tensor (the query's absolute position: keys after it are not read), `key_mask` [B, >= keys]
-    (0 = padding; None: none) or None. Returns softmax_j(scale * q . latent_j) . latent_j[:C] as [B, H, C] in q's
-    dtype."""
-    batch, heads, width = q.shape
-    keys, rope = latent.shape[1], width - latent_width
-    q = q.contiguous()
+def latent_attention(q_latent, q_rope, latent, position, key_mask, scale):
+    """One query's attention over cached latents: `q_latent` [B, H, C] (the absorbed no-position part, against the
+    latent's first C values) and `q_rope` [B, H, R] (against its last R), each with its last dim contiguous (no copy
+    into one query), `latent` [B, keys, C + R], `position` a one-element device tensor (the query's absolute
+    position: keys after it are not read), `key_mask` [B, >= keys] (0 = padding; None: none) or None. Returns
+    softmax_j(scale * q . latent_j) . latent_j[:C] as [B, H, C] in q_latent's dtype."""
+    batch, heads, latent_width = q_latent.shape
+    keys, rope = latent.shape[1], q_rope.shape[-1]
+    q_latent, q_rope = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_rope))
     if latent.stride(-1) != 1 or latent.stride(-2) != latent.shape[-1]:  # rows may be apart (a growing cache's view)
         latent = latent.contiguous()
     if key_mask is not None and key_mask.stride(-1) != 1:
@@ -367,8 +369,8 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
     block_h, step = config["heads"], max(config["plain"][0], config["pipelined"][0])
     groups = triton.cdiv(heads, block_h)
     splits = max(1, min(config["programs"] // (batch * groups), triton.cdiv(keys, step)))
-    acc = torch.empty(batch, splits, heads, latent_width, dtype=torch.float32, device=q.device)
-    ml = torch.empty(batch, splits, heads, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(batch, splits, heads, latent_width, dtype=torch.float32, device=q_latent.device)
+    ml = torch.empty(batch, splits, heads, 2, dtype=torch.float32, device=q_latent.device)
     valid = key_mask if key_mask is not None else position
     block_c, block_r = triton.next_power_of_2(latent_width), max(16, triton.next_power_of_2(rope))
     # the interpreter has no `range` over run-time bounds: there the plain loop takes every split
@@ -376,12 +378,13 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
     for pipelined in builds:
         block_n, stages = config["pipelined" if pipelined else "plain"]
         _latent_attention_split_kernel[(batch, splits, groups)](
-            q, latent, valid, position, acc, ml, heads, latent_width, rope, splits, q.stride(0), latent.stride(0),
+            q_latent, q_rope, latent, valid, position, acc, ml, heads, latent_width, rope, splits, q_latent.stride(0),
+            q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent.stride(0),
             valid.stride(0) if key_mask is not None else 0, float(scale), BLOCK_H=block_h, BLOCK_N=block_n,
-            BLOCK_C=block_c, BLOCK_R=block_r, HAS_VALID=key_mask is not None, IEEE=q.dtype == torch.float32,
+            BLOCK_C=block_c, BLOCK_R=block_r, HAS_VALID=key_mask is not None, IEEE=q_latent.dtype == torch.float32,
             STEP=step, PIPELINED=pipelined, PLAIN_MAX_KEYS=2**30 if _INTERPRET else config["plain_max_keys"],
             num_warps=config["warps"] if block_c >= 256 else 4, num_stages=stages)
-    out = torch.empty(batch, heads, latent_width, dtype=q.dtype, device=q.device)
+    out = torch.empty(batch, heads, latent_width, dtype=q_latent.dtype, device=q_latent.device)
     combine_c = min(block_c, 64)
     _latent_attention_combine_kernel[(batch, heads, triton.cdiv(latent_width, combine_c))](
         acc, ml, position, out, heads, latent_width, splits, STEP=step, BLOCK_S=triton.next_power_of_2(splits),

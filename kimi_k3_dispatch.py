@@ -215,8 +215,8 @@ def fused_gated_rms_norm(o, gate_logits, norm, dtype):
 def fused_latent_attention(q_latent, q_rope, latent, positions, key_mask, scale):
     """`modeling_kimi_k3.latent_attention` for one query a row (`fused_triton.latent_attention`): one pass over the
     keys up to the query's position, which it reads from device memory."""
-    q = torch.cat([q_latent, q_rope], dim=-1)[:, :, 0]
-    return triton_latent_attention(q, latent, positions[:1], key_mask, scale, q_latent.shape[-1]).unsqueeze(2)
+    return triton_latent_attention(q_latent[:, :, 0], q_rope[:, :, 0], latent, positions[:1], key_mask,
+                                   scale).unsqueeze(2)
 
 
 def fused_pair_sum_norm(pairs, weights, norm, dtype):

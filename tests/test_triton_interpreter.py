@@ -315,7 +315,8 @@ LATENT_SCRIPT = textwrap.dedent(
         q = torch.randn(rows, heads, width + rope)
         latent = torch.randn(rows, keys + 5, width + rope)[:, :keys]  # a growing cache's keys: the rows are apart
         key_mask = torch.rand(rows, keys + 2) > 0.3 if padded else None
-        got = fused_triton.latent_attention(q, latent, torch.tensor([position]), key_mask, 0.1, width)
+        got = fused_triton.latent_attention(q[..., :width], q[..., width:], latent, torch.tensor([position]),
+                                            key_mask, 0.1)
         err = (got.double() - reference(q, latent, position, key_mask, 0.1, width)).abs().max().item()
         assert got.shape == (rows, heads, width) and err < 1e-5, (rows, heads, keys, position, err)
     print("ok")
