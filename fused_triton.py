@@ -57,34 +57,44 @@ def supported(device):
 if triton is not None:
 
     @triton.jit
-    def _attn_res_mix_kernel(bank_ptr, last_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, rows, eps, out_eps,
-                             mask_ptr, pos_ptr, tokens, mask_stride, N: tl.constexpr, H: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, MASKED: tl.constexpr):
+    def _attn_res_mix_kernel(bank_ptr, last_ptr, delta_ptr, sum_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, rows,
+                             eps, out_eps, mask_ptr, pos_ptr, tokens, mask_stride, N: tl.constexpr, H: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, MASKED: tl.constexpr,
+                             HAS_DELTA: tl.constexpr):
         """One program per row (token) over its N sources, the first N - 1 from the stacked bank [N - 1, rows, H]
         and the last from [rows, H], a whole source row per load (BLOCK_H >= H): first each source's score, its dot
         with norm_w * proj_w over its rms; then, reading the same rows again (from L2: the program read them just
         before), the softmax-weighted sum in source order, fp32, rounded to the output dtype; then its RMSNorm
         (weight out_w). Sums over H happen once per source, not once per tile. With MASKED, row b * tokens + t is
-        zeros where the key mask (rows mask_stride apart) holds 0 at the token's position pos[t] (a padding token)."""
+        zeros where the key mask (rows mask_stride apart) holds 0 at the token's position pos[t] (a padding token).
+        With HAS_DELTA the last source is last + delta (rounded to last's dtype, as a torch add is), also stored to
+        sum_ptr."""
         row = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
         offs_n = tl.arange(0, BLOCK_N)
         w = (tl.load(norm_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
              * tl.load(proj_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32))
+        last = tl.load(last_ptr + row * H + offs_h, mask=h_mask, other=0.0)
+        if HAS_DELTA:
+            last = (last.to(tl.float32) + tl.load(delta_ptr + row * H + offs_h, mask=h_mask, other=0.0).to(
+                tl.float32)).to(last.dtype)
+            tl.store(sum_ptr + row * H + offs_h, last, mask=h_mask)
+        last = last.to(tl.float32)
         scores = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-        for j in range(N):
-            src = tl.where(j < N - 1, bank_ptr + (j * rows + row) * H, last_ptr + row * H)
-            v = tl.load(src + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        for j in range(N - 1):
+            v = tl.load(bank_ptr + (j * rows + row) * H + offs_h, mask=h_mask, other=0.0).to(tl.float32)
             score = tl.sum(v * w, axis=0) / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
             scores = tl.where(offs_n == j, score, scores)
+        score = tl.sum(last * w, axis=0) / tl.sqrt(tl.sum(last * last, axis=0) / H + eps)
+        scores = tl.where(offs_n == N - 1, score, scores)
         p = tl.exp(scores - tl.max(scores, axis=0))
         p = p / tl.sum(p, axis=0)
         mixed = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for j in range(N):
-            src = tl.where(j < N - 1, bank_ptr + (j * rows + row) * H, last_ptr + row * H)
-            v = tl.load(src + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        for j in range(N - 1):
+            v = tl.load(bank_ptr + (j * rows + row) * H + offs_h, mask=h_mask, other=0.0).to(tl.float32)
             mixed += v * tl.sum(tl.where(offs_n == j, p, 0.0), axis=0)
+        mixed += last * tl.sum(tl.where(offs_n == N - 1, p, 0.0), axis=0)
         mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(mixed * mixed, axis=0) / H + out_eps)
         out_w = tl.load(out_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
@@ -479,12 +489,14 @@ def router_topk(logits, bias, top_k, renormalize, scaling):
     return ids, weights
 
 
-def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps, key_mask=None, positions=None):
+def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps, key_mask=None, positions=None,
+                 delta=None):
     """RMSNorm (weight `out_weight`, eps `out_eps`) of `sum_j softmax_j((v_j / rms(v_j)) . (norm_weight *
     proj_weight)) v_j` over the sources v_j: the stacked `bank` [n - 1, ..., H], then `last` [..., H]; in fp32, the
     mix rounded to last's dtype before the norm (as the torch code does), returned in that dtype with last's shape.
     With `key_mask` [B, keys] (0 = padding) and `positions` [T] for last [B, T, H], the rows of padding tokens
-    (key_mask[b, positions[t]] == 0) are zeros, read from the mask in place (no index or fill kernels). H is at most
+    (key_mask[b, positions[t]] == 0) are zeros, read from the mask in place (no index or fill kernels). With `delta`
+    (last's shape) the last source is `last + delta` instead, and (that sum, the mix) is returned. H is at most
     MAX_ROW_WIDTH."""
     hidden = last.shape[-1]
     block_h = triton.next_power_of_2(hidden)
@@ -494,6 +506,8 @@ def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps,
     bank, last = bank.contiguous(), last.contiguous()
     rows = last.numel() // hidden
     out = torch.empty_like(last)
+    if delta is not None:
+        delta, total = delta.contiguous(), torch.empty_like(last)
     masked = key_mask is not None
     if masked:  # a prompt chunk's mask is a column slice: read in place through its row stride
         key_mask = key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()
@@ -501,10 +515,11 @@ def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps,
         mask_args = (key_mask, positions.contiguous(), last.shape[-2], key_mask.stride(0))
     else:
         mask_args = (last, last, 1, 0)  # not read
-    _attn_res_mix_kernel[(rows,)](bank, last, norm_weight, proj_weight, out_weight, out, rows, float(eps),
+    sum_args = (last, last) if delta is None else (delta, total)  # not read / written without a delta
+    _attn_res_mix_kernel[(rows,)](bank, last, *sum_args, norm_weight, proj_weight, out_weight, out, rows, float(eps),
                                   float(out_eps), *mask_args, N=n, H=hidden, BLOCK_N=triton.next_power_of_2(n),
-                                  BLOCK_H=block_h, MASKED=masked, num_warps=8)
-    return out
+                                  BLOCK_H=block_h, MASKED=masked, HAS_DELTA=delta is not None, num_warps=8)
+    return out if delta is None else (total, out)
 
 
 def short_conv(inputs, weights, states=None, in_place=False, out_dtype=None):

@@ -73,6 +73,7 @@ class Ops:
     paths: FastPaths
     situ_glu: callable
     attn_res_mix: callable
+    add_attn_res_mix: callable
     short_convs: callable
     delta_rule: callable
     gated_rms_norm: callable
@@ -201,6 +202,17 @@ def fused_attn_res_mix(bank, partial, norm, proj, out_norm, key_mask=None, posit
                                out_norm.variance_epsilon, key_mask, positions)
 
 
+def fused_add_attn_res_mix(bank, partial, delta, norm, proj, out_norm):
+    """`modeling_kimi_k3.add_attn_res_mix` as the one depth-mix kernel, which adds `delta` to the partial sum as it
+    reads it and writes the sum out."""
+    if not bank:
+        partial = partial + delta
+        return partial, out_norm(partial)
+    stacked = bank.stacked() if hasattr(bank, "stacked") else torch.stack(tuple(bank))
+    return triton_attn_res_mix(stacked, partial, norm.weight, proj.weight[0], norm.variance_epsilon, out_norm.weight,
+                               out_norm.variance_epsilon, delta=delta)
+
+
 def fused_short_convs(projected, convs, conv_states, in_place, out_dtype=None):
     """`modeling_kimi_k3.short_convs` as one kernel a conv (`fused_triton.short_conv`); `in_place` overwrites the
     given histories (a static cache's buffers), `out_dtype` is the dtype of the outputs."""
@@ -249,7 +261,8 @@ def resolve_ops(paths, reference, skipped=()):
     whose kernel fits the config (not in `skipped`) replaced by that kernel."""
     kernels = {}
     if paths.fused:
-        kernels.update(situ_glu=triton_situ_glu, attn_res_mix=fused_attn_res_mix, short_convs=fused_short_convs,
+        kernels.update(situ_glu=triton_situ_glu, attn_res_mix=fused_attn_res_mix,
+                       add_attn_res_mix=fused_add_attn_res_mix, short_convs=fused_short_convs,
                        gated_rms_norm=fused_gated_rms_norm, mla_keys=triton_mla_keys,
                        sigmoid_gated_heads=triton_sigmoid_gated_heads, latent_attention=fused_latent_attention,
                        router_logits=fp32_router_logits, router_topk=triton_router_topk,

@@ -191,6 +191,13 @@ def attn_res_mix(bank, partial, norm, proj, out_norm, key_mask=None, positions=N
     return out if key_mask is None else out.masked_fill(~key_mask[:, positions].bool()[..., None], 0.0)
 
 
+def add_attn_res_mix(bank, partial, delta, norm, proj, out_norm):
+    """The sublayer's output `delta` added to the current block's partial sum, then `attn_res_mix` over the bank and
+    that sum: (partial + delta, the mix)."""
+    partial = partial + delta
+    return partial, attn_res_mix(bank, partial, norm, proj, out_norm)
+
+
 class KimiK3AttnResProj(nn.Module):
     """Pseudo-query of one attention-residual mix (weight [1, H]): an fp32 score per source."""
 
@@ -833,7 +840,8 @@ class KimiK3LatentMoE(nn.Module):
 # The reference of every op a block calls through its dispatch (`kimi_k3_dispatch.Ops`): what runs where no fast
 # path is taken, and what each kernel is a drop-in for.
 REFERENCE_OPS = Ops(
-    paths=FastPaths(), situ_glu=situ_glu, attn_res_mix=attn_res_mix, short_convs=short_convs, delta_rule=kda_forward,
+    paths=FastPaths(), situ_glu=situ_glu, attn_res_mix=attn_res_mix, add_attn_res_mix=add_attn_res_mix,
+    short_convs=short_convs, delta_rule=kda_forward,
     gated_rms_norm=gated_rms_norm, mla_keys=mla_keys, sigmoid_gated_heads=sigmoid_gated_heads,
     latent_attention=latent_attention, router_logits=router_logits, router_topk=router_topk,
     routed_experts=routed_experts, routed_expert_sum=routed_expert_sum, pair_sum_norm=pair_sum_norm,
@@ -892,8 +900,12 @@ class KimiK3DecoderLayer(nn.Module):
             a = self.self_attn(h, None, cache)
         else:
             a = self.self_attn(h, attention_mask, cache, positions)
-        partial = a if partial is None else partial + a
-        h = ops.attn_res_mix(bank, partial, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
+        if partial is None:
+            partial = a
+            h = ops.attn_res_mix(bank, partial, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
+        else:
+            partial, h = ops.add_attn_res_mix(bank, partial, a, self.mlp_res_norm, self.mlp_res_proj,
+                                              self.post_attention_layernorm)
         ffn = self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
         return bank, bank.close(partial, ffn) if self.closes_block else partial + ffn
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kimi_k3_dispatch
-from kimi_k3_dispatch import FastPathDispatch, fused_attn_res_mix
-from modeling_kimi_k3 import REFERENCE_OPS, KimiK3AttnResProj, KimiK3RMSNorm, attn_res_mix
+from kimi_k3_dispatch import FastPathDispatch, fused_add_attn_res_mix, fused_attn_res_mix
+from modeling_kimi_k3 import REFERENCE_OPS, KimiK3AttnResProj, KimiK3RMSNorm, add_attn_res_mix, attn_res_mix
 from reap_tools.tiny import random_model, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,12 +27,15 @@ def mix_kernel_stand_in(seen, masks):
     """A torch stand-in for `fused_triton.attn_res_mix` (the kernel's arguments) that records the stacked bank and
     the key mask it is given and computes the reference `attn_res_mix` from them: the same bits as the reference
     path."""
-    def kernel(stacked, last, norm_weight, proj_weight, eps, out_weight, out_eps, key_mask=None, positions=None):
+    def kernel(stacked, last, norm_weight, proj_weight, eps, out_weight, out_eps, key_mask=None, positions=None,
+               delta=None):
         seen.append(stacked)
         masks.append(key_mask)
         hidden = last.shape[-1]
         norm, proj, out_norm = KimiK3RMSNorm(hidden, eps), KimiK3AttnResProj(hidden), KimiK3RMSNorm(hidden, out_eps)
         norm.weight.data, proj.weight.data, out_norm.weight.data = norm_weight, proj_weight[None], out_weight
+        if delta is not None:
+            return add_attn_res_mix(tuple(stacked.unbind(0)), last, delta, norm, proj, out_norm)
         return attn_res_mix(tuple(stacked.unbind(0)), last, norm, proj, out_norm, key_mask, positions)
 
     return kernel
@@ -65,7 +68,8 @@ def test_a_decode_steps_bank_is_one_buffer_read_in_place(monkeypatch, through_st
         reference = model(token, cache=prefilled(model), use_cache=True).logits
 
         seen, masks = [], []
-        fused_ops = dataclasses.replace(REFERENCE_OPS, attn_res_mix=fused_attn_res_mix)
+        fused_ops = dataclasses.replace(REFERENCE_OPS, attn_res_mix=fused_attn_res_mix,
+                                        add_attn_res_mix=fused_add_attn_res_mix)
         monkeypatch.setattr(FastPathDispatch, "ops", lambda self, device, offloaded=False: fused_ops)
         monkeypatch.setattr(kimi_k3_dispatch, "triton_attn_res_mix", mix_kernel_stand_in(seen, masks))
         cache = prefilled(model)
@@ -194,7 +198,8 @@ def test_kda_layers_take_the_padding_mask_in_the_depth_mix(monkeypatch, padded):
         reference = model(token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
                           cache=reference_cache, use_cache=True).logits
         seen, masks = [], []
-        fused_ops = dataclasses.replace(REFERENCE_OPS, attn_res_mix=fused_attn_res_mix)
+        fused_ops = dataclasses.replace(REFERENCE_OPS, attn_res_mix=fused_attn_res_mix,
+                                        add_attn_res_mix=fused_add_attn_res_mix)
         monkeypatch.setattr(FastPathDispatch, "ops", lambda self, device, offloaded=False: fused_ops)
         monkeypatch.setattr(kimi_k3_dispatch, "triton_attn_res_mix", mix_kernel_stand_in(seen, masks))
         cache = step()

@@ -23,7 +23,7 @@ import kimi_k3_dispatch  # noqa: E402
 import kimi_k3_runners  # noqa: E402
 import mxfp4_triton  # noqa: E402
 import modeling_kimi_k3  # noqa: E402
-from kimi_k3_dispatch import fused_attn_res_mix, use_fast_paths  # noqa: E402
+from kimi_k3_dispatch import fused_add_attn_res_mix, fused_attn_res_mix, use_fast_paths  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
     BlockBank, KimiK3AttnResProj, KimiK3DeltaAttention, KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm,
     KimiK3StaticCache, attn_res_mix, gated_rms_norm, routed_experts, sigmoid_gated_heads)
@@ -324,9 +324,14 @@ def test_fused_depth_mix_matches_torch(n, rows):
         proj.weight.normal_(0.0, 0.05, generator=gen)
         fused = fused_attn_res_mix(BlockBank(sources[:-1]), sources[-1], norm, proj, out_norm)
         ref = attn_res_mix(sources[:-1], sources[-1], norm, proj, out_norm)
+        delta = torch.randn(rows, 1, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
+        total, added = fused_add_attn_res_mix(BlockBank(sources[:-1]), sources[-1], delta, norm, proj, out_norm)
+        over_sum = fused_attn_res_mix(BlockBank(sources[:-1]), sources[-1] + delta, norm, proj, out_norm)
     err = max_rel(fused, ref)
     print(f"fused depth mix n={n} rows={rows}: max diff {err:.1e} of max |ref|")
     assert fused.dtype == ref.dtype and fused.shape == ref.shape and err <= 2 ** -7
+    assert torch.equal(total, sources[-1] + delta), "the kernel's add is not torch's"
+    assert torch.equal(added, over_sum), "the mix after the kernel's add is not the mix over the sum"
 
 
 @pytest.mark.parametrize("length,with_state", [(1, True), (2, True), (300, False)])

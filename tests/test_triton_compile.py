@@ -150,8 +150,9 @@ def record_moe(text):
 
 
 def record_attn_res_mix(text):
-    """The depth mix + norm over as few and as many sources as the release's blocks give; before a KDA layer with
-    the padding mask a decode step passes (a static cache's bool buffer, its position) and a prompt's (int64)."""
+    """The depth mix + norm over as few and as many sources as the release's blocks give, also adding the
+    sublayer's output to the last; before a KDA layer with the padding mask a decode step passes (a static cache's
+    bool buffer, its position) and a prompt's (int64)."""
     norm, out_norm = KimiK3RMSNorm(text.hidden_size, text.rms_norm_eps), KimiK3RMSNorm(text.hidden_size)
     proj = KimiK3AttnResProj(text.hidden_size)
     blocks = -(-text.num_hidden_layers // text.attn_res_block_size)
@@ -161,6 +162,8 @@ def record_attn_res_mix(text):
     for sources, tokens in ((2, 1), (blocks + 1, 1), (blocks + 1, 16)):
         bank = BlockBank(torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16) for _ in range(sources - 1))
         ops.attn_res_mix(bank, torch.randn(1, tokens, text.hidden_size).to(torch.bfloat16), norm, proj, out_norm)
+        ops.add_attn_res_mix(bank, *torch.randn(2, 1, tokens, text.hidden_size).to(torch.bfloat16), norm, proj,
+                             out_norm)
     cache = KimiK3StaticCache(text, batch_size=1, max_length=32, cuda_graph=False)
     for tokens, user_mask in ((16, torch.ones(1, 16, dtype=torch.long)), (1, None)):
         key_mask, positions = cache.prepare(user_mask, 1, tokens, torch.device("cpu"))

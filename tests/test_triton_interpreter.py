@@ -156,7 +156,7 @@ FUSED_SCRIPT = textwrap.dedent(
     """
     import torch
     import fused_triton
-    from kimi_k3_dispatch import fused_attn_res_mix
+    from kimi_k3_dispatch import fused_add_attn_res_mix, fused_attn_res_mix
     from modeling_kimi_k3 import KimiK3AttnResProj, KimiK3RMSNorm, short_conv
 
     torch.manual_seed(0)
@@ -180,6 +180,18 @@ FUSED_SCRIPT = textwrap.dedent(
         tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: one ulp (the interpreter truncates)
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < tol, ("mix", n, shape, dtype, err)
+        # the sublayer's output added to the last source as the kernel reads it: the sum as torch's add gives it (in
+        # bf16 to an ulp: the interpreter truncates), the mix the same as over that sum
+        delta = torch.randn(shape).to(dtype)
+        with torch.no_grad():
+            total, added = fused_add_attn_res_mix(sources[:-1], sources[-1], delta, norm, proj, out_norm)
+            over_sum = fused_attn_res_mix(sources[:-1], total, norm, proj, out_norm)
+        want = sources[-1] + delta
+        if dtype == torch.float32:
+            assert torch.equal(total, want), ("sum", n, shape)
+        else:
+            assert bool(((total.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all()), ("sum", n)
+        assert torch.equal(added, over_sum), ("mix after the add", n, shape, dtype)
 
     for batch, length, widths, with_state, dtype in [(1, 1, (64, 64, 32), True, torch.float32),
                                                      (2, 7, (96, 40, 300), False, torch.float32),
@@ -265,9 +277,9 @@ FUSED_SCRIPT = textwrap.dedent(
         attn = torch.randn(batch, length, heads, width).to(dtype).transpose(1, 2)  # SDPA's strides
         gate = torch.randn(batch, length, heads * width).mul_(3).to(dtype)
         out = fused_triton.sigmoid_gated_heads(attn, gate)
-        ref = (attn.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)).double()
+        ref = attn.transpose(1, 2).reshape(batch, length, -1).double() * torch.sigmoid(gate.double())  # exact
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-        tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: roundings truncated here
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -6  # bf16: two roundings (sigmoid, product), truncated here
         assert out.shape == ref.shape and out.dtype == dtype and err < tol, ("gated heads", heads, err)
 
     # in the model: a static cache's prefill + decode steps with the fused kernels vs the torch code
