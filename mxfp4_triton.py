@@ -378,6 +378,48 @@ if triton is not None:
         act = _situ(g, u, BETA, LINEAR_BETA)
         tl.store(out_ptr + row * INNER + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit(do_not_specialize=["pairs", "first", "total"])
+    def _align_blocks_kernel(ids_ptr, ends_ptr, rows_ptr, block_expert_ptr, pairs, first, total,
+                             E: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
+        """`align_blocks` of up to BLOCK_P pairs in one program (a decode step's routing metadata in one launch), the
+        router's ids taken as they are (experts `first` .. `first + E - 1` this block's, the rest bucket E):
+        (1) each bucket's blocks, cumulated into ends[0..E] (global scratch); (2) each pair's slot, its bucket's
+        first block times BM plus its rank among the bucket's earlier pairs; every row padding (`pairs`), then
+        the pairs' rows; (3) each block's expert, the buckets whose blocks end at or before it, at most E."""
+        offs_p = tl.arange(0, BLOCK_P)
+        in_p = offs_p < pairs
+        local = tl.load(ids_ptr + offs_p, mask=in_p, other=0).to(tl.int32) - first
+        e = tl.where((local >= 0) & (local < E), local, E)
+        carry = tl.sum(tl.zeros((CHUNK,), dtype=tl.int32), axis=0)  # blocks of the buckets before the chunk
+        for e0 in range(0, E + 1, CHUNK):  # (1)
+            offs_e = e0 + tl.arange(0, CHUNK)
+            count = tl.sum(((e[None, :] == offs_e[:, None]) & in_p[None, :]).to(tl.int32), axis=1)
+            ends = carry + tl.cumsum((count + BM - 1) // BM, axis=0)
+            tl.store(ends_ptr + offs_e, ends, mask=offs_e <= E)
+            carry = tl.max(tl.where(offs_e <= E, ends, 0), axis=0)
+        same = (e[:, None] == e[None, :]) & in_p[None, :]  # (2) [pair, other pair]
+        rank = tl.sum((same & (offs_p[None, :] < offs_p[:, None])).to(tl.int32), axis=1)
+        count = tl.sum(same.to(tl.int32), axis=1)
+        tl.debug_barrier()  # ends written by all threads
+        start = tl.load(ends_ptr + e, mask=in_p, other=0) - (count + BM - 1) // BM
+        s0 = 0
+        while s0 < total * BM:
+            offs_s = s0 + tl.arange(0, CHUNK)
+            tl.store(rows_ptr + offs_s, tl.full((CHUNK,), 0, tl.int32) + pairs, mask=offs_s < total * BM)
+            s0 += CHUNK
+        tl.debug_barrier()  # the padding before the pairs' rows over it
+        tl.store(rows_ptr + start * BM + rank, offs_p, mask=in_p)
+        b0 = 0
+        while b0 < total:  # (3)
+            offs_b = b0 + tl.arange(0, CHUNK)
+            expert = tl.zeros((CHUNK,), dtype=tl.int32)
+            for e0 in range(0, E + 1, CHUNK):
+                offs_e = e0 + tl.arange(0, CHUNK)
+                ends = tl.load(ends_ptr + offs_e, mask=offs_e <= E, other=2**30)
+                expert += tl.sum((ends[None, :] <= offs_b[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + offs_b, tl.minimum(expert, E), mask=offs_b < total)
+            b0 += CHUNK
+
     @triton.jit
     def _scatter_rows_kernel(src_ptr, index_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         """One program per (row, BLOCK columns): row i of src copied to row index[i] of out (the same bits)."""
@@ -391,6 +433,24 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
+
+# Most (token, slot) pairs whose blocks `_align_blocks_kernel` sorts in its one program (a decode step's: 16 tokens
+# at top-16); more take the torch `align_blocks`.
+ALIGN_KERNEL_MAX_PAIRS = 256
+
+
+def align_blocks_fused(ids, num_experts, block_m, first=None):
+    """`align_blocks(local_ids(ids, first, num_experts), num_experts, block_m)` (`first` None: the ids are local
+    already) in one kernel launch, for up to ALIGN_KERNEL_MAX_PAIRS pairs: the same rows and blocks, bit for bit."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    total = max_blocks(pairs, num_experts + 1, block_m)
+    rows = torch.empty(total * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(total, dtype=torch.int32, device=ids.device)
+    ends = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+    _align_blocks_kernel[(1,)](flat, ends, rows, block_expert, pairs, first or 0, total, E=num_experts, BM=block_m,
+                               BLOCK_P=max(16, triton.next_power_of_2(pairs)), CHUNK=128, num_warps=8)
+    return rows, block_expert
 
 
 def _fit(block, size):
@@ -440,6 +500,9 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     pairs_mode = tokens == 1  # a single token's top-k experts are distinct: one block per pair, no sort
     if pairs_mode:  # the kernels subtract `first` from the router's ids themselves
         rows = block_expert = ids.reshape(-1)
+    elif pairs <= ALIGN_KERNEL_MAX_PAIRS:
+        rows, block_expert = align_blocks_fused(ids, num_experts, block_m, first)
+        first = None
     else:
         local = ids if first is None else local_ids(ids, first, num_experts)
         rows, block_expert = align_blocks(local, num_experts, block_m)

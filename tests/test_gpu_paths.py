@@ -228,6 +228,18 @@ WIDE_CONFIG = dict(BM=16, w13=(64, 256, 4, 3), w2=(64, 256, 4, 3))
 NARROW_CONFIG = dict(BM=4, w13=(32, 128, 2, 3), w2=(32, 128, 2, 3))  # blocks of 4 pairs: the MMA pads them
 
 
+@pytest.mark.parametrize("tokens,experts,first", [(2, 320, None), (8, 320, None), (16, 40, 80), (8, 40, 0)])
+def test_one_kernel_aligns_a_decode_steps_pairs_as_torch_does(tokens, experts, first):
+    """`align_blocks_fused` (one launch) gives `align_blocks`' rows and blocks bit for bit, with the router's ids
+    of all 320 experts under expert parallel (`first`)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    every = 320 if first is not None else experts
+    ids = torch.stack([torch.randperm(every, device=DEVICE, generator=gen)[:16] for _ in range(tokens)])
+    want = mxfp4_triton.align_blocks(mxfp4_triton.local_ids(ids, first or 0, experts), experts, 8)
+    got = mxfp4_triton.align_blocks_fused(ids, experts, 8, first)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("upcast,atomic,config", [
     (u, False, c) for u in ("dot_scaled", "manual", "lop3") for c in ("decode", "prefill")
 ] + [("dot_scaled", True, "decode"), ("lop3", True, "decode"),

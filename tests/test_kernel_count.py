@@ -54,3 +54,13 @@ def test_the_count_sees_every_kind_of_launch(counts):
     assert kda["gemms"] >= 5 and kda["triton"].get("fla_fused_recurrent_kda") == 1
     assert kda["kernels"] > kda["gemms"] + sum(kda["triton"].values())
     assert "_latent_attention_combine_kernel" in step["layer 3 (mla_moe)"]["triton"]
+
+
+def test_a_batch_of_8_sorts_its_pairs_in_one_kernel(counts):
+    """At batch 8 the expert kernels' routing metadata (pairs sorted into blocks by expert) is one launch, not
+    align_blocks' ~25 torch kernels and a sort."""
+    for tp in (1, kernel_count.TP):
+        for label in moe_layers(counts[tp, 1]):
+            eight, one = counts[tp, 8][label], counts[tp, 1][label]
+            assert eight["triton"].get("_align_blocks_kernel") == 1 and "sort" not in eight["ops"], eight["ops"]
+            assert eight["kernels"] == one["kernels"] + 1, (tp, label, eight["ops"], one["ops"])

@@ -90,6 +90,13 @@ MXFP4_SCRIPT = textwrap.dedent(
                                           config=conf, dot_scaled=False, atomic=True, h_dtype=torch.float32).double())
             err = ((shares[0].double() - alone).norm() / alone.norm().clamp(min=1e-30)).item()
             assert err < 1e-4, (latent, inner, name, "rank 0's share", err)
+        # a decode step's routing metadata in one kernel: align_blocks' rows and blocks, bit for bit, with the
+        # router's ids as they are under expert parallel too
+        for first in (None, 0, half):  # None: ids of the block's own experts, `half` for the others'
+            given = torch.where(ids < half, ids, half) if first is None else ids
+            want = mt.align_blocks(mt.local_ids(ids, first or 0, half), half, 8)
+            got = mt.align_blocks_fused(given, half, 8, first)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), ("align", tokens, first)
         # the dispatch's op on rank 1 of a sharded block, against the reference op (bf16 rounding, truncated)
         block = copy.deepcopy(moe)
         shard(block, TensorParallel(1, 2))
