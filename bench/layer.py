@@ -181,6 +181,9 @@ def bench_expert_gemms(text, layer, tokens, ceil, reps, seed, configs=None):
     out = {"tokens": tokens, "pairs": ids.numel(), "flops": flops}
     align_cfg = mxfp4_triton.pick_config(ids.numel(), moe.num_experts)
     out["align_ms"] = time_ms(lambda: mxfp4_triton.align_blocks(ids, moe.num_experts, align_cfg["BM"]), reps)
+    if ids.numel() <= mxfp4_triton.ALIGN_KERNEL_MAX_PAIRS:  # what run_experts takes at such sizes
+        out["align_kernel_ms"] = time_ms(lambda: mxfp4_triton.align_blocks_fused(ids, moe.num_experts,
+                                                                                 align_cfg["BM"]), reps)
     variants = configs or {"default": None}
     ref = reference_routed(moe, z, ids, weights) if configs else None
     for name, cfg in variants.items():
