@@ -57,34 +57,44 @@ def supported(device):
 if triton is not None:
 
     @triton.jit
-    def _attn_res_mix_kernel(bank_ptr, last_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, rows, eps, out_eps,
-                             mask_ptr, pos_ptr, tokens, mask_stride, N: tl.constexpr, H: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, MASKED: tl.constexpr):
+    def _attn_res_mix_kernel(bank_ptr, last_ptr, delta_ptr, sum_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, rows,
+                             eps, out_eps, mask_ptr, pos_ptr, tokens, mask_stride, N: tl.constexpr, H: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, MASKED: tl.constexpr,
+                             HAS_DELTA: tl.constexpr):
         """One program per row (token) over its N sources, the first N - 1 from the stacked bank [N - 1, rows, H]
         and the last from [rows, H], a whole source row per load (BLOCK_H >= H): first each source's score, its dot
         with norm_w * proj_w over its rms; then, reading the same rows again (from L2: the program read them just
         before), the softmax-weighted sum in source order, fp32, rounded to the output dtype; then its RMSNorm
         (weight out_w). Sums over H happen once per source, not once per tile. With MASKED, row b * tokens + t is
-        zeros where the key mask (rows mask_stride apart) holds 0 at the token's position pos[t] (a padding token)."""
+        zeros where the key mask (rows mask_stride apart) holds 0 at the token's position pos[t] (a padding token).
+        With HAS_DELTA the last source is last + delta (rounded to last's dtype, as a torch add is), also stored to
+        sum_ptr."""
         row = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
         offs_n = tl.arange(0, BLOCK_N)
         w = (tl.load(norm_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
              * tl.load(proj_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32))
+        last = tl.load(last_ptr + row * H + offs_h, mask=h_mask, other=0.0)
+        if HAS_DELTA:
+            last = (last.to(tl.float32) + tl.load(delta_ptr + row * H + offs_h, mask=h_mask, other=0.0).to(
+                tl.float32)).to(last.dtype)
+            tl.store(sum_ptr + row * H + offs_h, last, mask=h_mask)
+        last = last.to(tl.float32)
         scores = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-        for j in range(N):
-            src = tl.where(j < N - 1, bank_ptr + (j * rows + row) * H, last_ptr + row * H)
-            v = tl.load(src + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        for j in range(N - 1):
+            v = tl.load(bank_ptr + (j * rows + row) * H + offs_h, mask=h_mask, other=0.0).to(tl.float32)
             score = tl.sum(v * w, axis=0) / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
             scores = tl.where(offs_n == j, score, scores)
+        score = tl.sum(last * w, axis=0) / tl.sqrt(tl.sum(last * last, axis=0) / H + eps)
+        scores = tl.where(offs_n == N - 1, score, scores)
         p = tl.exp(scores - tl.max(scores, axis=0))
         p = p / tl.sum(p, axis=0)
         mixed = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for j in range(N):
-            src = tl.where(j < N - 1, bank_ptr + (j * rows + row) * H, last_ptr + row * H)
-            v = tl.load(src + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        for j in range(N - 1):
+            v = tl.load(bank_ptr + (j * rows + row) * H + offs_h, mask=h_mask, other=0.0).to(tl.float32)
             mixed += v * tl.sum(tl.where(offs_n == j, p, 0.0), axis=0)
+        mixed += last * tl.sum(tl.where(offs_n == N - 1, p, 0.0), axis=0)
         mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(mixed * mixed, axis=0) / H + out_eps)
         out_w = tl.load(out_w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
@@ -145,7 +155,7 @@ if triton is not None:
         e = tl.arange(0, BLOCK_E)
         valid = e < E
         logit = tl.load(logits_ptr + row * E + e, mask=valid, other=0.0)
-        biased = tl.sigmoid(logit) + tl.load(bias_ptr + e, mask=valid, other=0.0)
+        biased = tl.sigmoid(logit) + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
         bits = biased.to(tl.int32, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         ordered = tl.where(valid, ordered, -2147483648)
@@ -267,8 +277,9 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _latent_attention_split_kernel(q_ptr, kv_ptr, valid_ptr, pos_ptr, acc_ptr, ml_ptr, H, C, R, NS,
-                                       stride_qb, stride_kb, stride_vb, scale, BLOCK_H: tl.constexpr,
+    def _latent_attention_split_kernel(qc_ptr, qr_ptr, kv_ptr, valid_ptr, pos_ptr, acc_ptr, ml_ptr, H, C, R, NS,
+                                       stride_qcb, stride_qch, stride_qrb, stride_qrh, stride_kb, stride_vb, scale,
+                                       BLOCK_H: tl.constexpr,
                                        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                                        HAS_VALID: tl.constexpr, IEEE: tl.constexpr, STEP: tl.constexpr,
                                        PIPELINED: tl.constexpr, PLAIN_MAX_KEYS: tl.constexpr):
@@ -295,9 +306,10 @@ if triton is not None:
         h_mask = offs_h < H
         offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
         c_mask, r_mask = offs_c < C, offs_r < R
-        q_row = q_ptr + b * stride_qb + offs_h[:, None] * (C + R)
-        q_c = tl.load(q_row + offs_c[None, :], mask=h_mask[:, None] & c_mask[None, :], other=0.0)
-        q_r = tl.load(q_row + C + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+        q_c = tl.load(qc_ptr + b * stride_qcb + offs_h[:, None] * stride_qch + offs_c[None, :],
+                      mask=h_mask[:, None] & c_mask[None, :], other=0.0)
+        q_r = tl.load(qr_ptr + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                      mask=h_mask[:, None] & r_mask[None, :], other=0.0)
         m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
         l = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
@@ -350,15 +362,15 @@ if triton is not None:
 LATENT_CONFIG = dict(heads=64, warps=8, programs=256, plain_max_keys=256, plain=(32, 3), pipelined=(64, 2))
 
 
-def latent_attention(q, latent, position, key_mask, scale, latent_width):
-    """One query's attention over cached latents: `q` [B, H, C + R] (the absorbed no-position part against the
-    latent's first C = `latent_width` values, then the R rope-style values), `latent` [B, keys, C + R], `position`
-    a one-element device tensor (the query's absolute position: keys after it are not read), `key_mask` [B, >= keys]
-    (0 = padding; None: none) or None. Returns softmax_j(scale * q . latent_j) . latent_j[:C] as [B, H, C] in q's
-    dtype."""
-    batch, heads, width = q.shape
-    keys, rope = latent.shape[1], width - latent_width
-    q = q.contiguous()
+def latent_attention(q_latent, q_rope, latent, position, key_mask, scale):
+    """One query's attention over cached latents: `q_latent` [B, H, C] (the absorbed no-position part, against the
+    latent's first C values) and `q_rope` [B, H, R] (against its last R), each with its last dim contiguous (no copy
+    into one query), `latent` [B, keys, C + R], `position` a one-element device tensor (the query's absolute
+    position: keys after it are not read), `key_mask` [B, >= keys] (0 = padding; None: none) or None. Returns
+    softmax_j(scale * q . latent_j) . latent_j[:C] as [B, H, C] in q_latent's dtype."""
+    batch, heads, latent_width = q_latent.shape
+    keys, rope = latent.shape[1], q_rope.shape[-1]
+    q_latent, q_rope = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_rope))
     if latent.stride(-1) != 1 or latent.stride(-2) != latent.shape[-1]:  # rows may be apart (a growing cache's view)
         latent = latent.contiguous()
     if key_mask is not None and key_mask.stride(-1) != 1:
@@ -367,8 +379,8 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
     block_h, step = config["heads"], max(config["plain"][0], config["pipelined"][0])
     groups = triton.cdiv(heads, block_h)
     splits = max(1, min(config["programs"] // (batch * groups), triton.cdiv(keys, step)))
-    acc = torch.empty(batch, splits, heads, latent_width, dtype=torch.float32, device=q.device)
-    ml = torch.empty(batch, splits, heads, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(batch, splits, heads, latent_width, dtype=torch.float32, device=q_latent.device)
+    ml = torch.empty(batch, splits, heads, 2, dtype=torch.float32, device=q_latent.device)
     valid = key_mask if key_mask is not None else position
     block_c, block_r = triton.next_power_of_2(latent_width), max(16, triton.next_power_of_2(rope))
     # the interpreter has no `range` over run-time bounds: there the plain loop takes every split
@@ -376,12 +388,13 @@ def latent_attention(q, latent, position, key_mask, scale, latent_width):
     for pipelined in builds:
         block_n, stages = config["pipelined" if pipelined else "plain"]
         _latent_attention_split_kernel[(batch, splits, groups)](
-            q, latent, valid, position, acc, ml, heads, latent_width, rope, splits, q.stride(0), latent.stride(0),
+            q_latent, q_rope, latent, valid, position, acc, ml, heads, latent_width, rope, splits, q_latent.stride(0),
+            q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent.stride(0),
             valid.stride(0) if key_mask is not None else 0, float(scale), BLOCK_H=block_h, BLOCK_N=block_n,
-            BLOCK_C=block_c, BLOCK_R=block_r, HAS_VALID=key_mask is not None, IEEE=q.dtype == torch.float32,
+            BLOCK_C=block_c, BLOCK_R=block_r, HAS_VALID=key_mask is not None, IEEE=q_latent.dtype == torch.float32,
             STEP=step, PIPELINED=pipelined, PLAIN_MAX_KEYS=2**30 if _INTERPRET else config["plain_max_keys"],
             num_warps=config["warps"] if block_c >= 256 else 4, num_stages=stages)
-    out = torch.empty(batch, heads, latent_width, dtype=q.dtype, device=q.device)
+    out = torch.empty(batch, heads, latent_width, dtype=q_latent.dtype, device=q_latent.device)
     combine_c = min(block_c, 64)
     _latent_attention_combine_kernel[(batch, heads, triton.cdiv(latent_width, combine_c))](
         acc, ml, position, out, heads, latent_width, splits, STEP=step, BLOCK_S=triton.next_power_of_2(splits),
@@ -462,7 +475,8 @@ def sigmoid_gated_heads(attn, gate):
 
 def router_topk(logits, bias, top_k, renormalize, scaling):
     """`KimiK3Router`'s choice from its fp32 logits [N, E]: (ids [N, k] int64, weights [N, k] fp32), slots in
-    descending order of the biased score. top_k must be a power of two (tl.topk)."""
+    descending order of the biased score (the bias read in its own dtype, added in fp32). top_k must be a power of
+    two (tl.topk)."""
     if top_k & (top_k - 1):
         _refuse("router_topk", f"top_k = {top_k} is not a power of two")
     logits = logits.contiguous()
@@ -470,17 +484,19 @@ def router_topk(logits, bias, top_k, renormalize, scaling):
     ids = torch.empty(rows, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(rows, top_k, dtype=torch.float32, device=logits.device)
     block_e = triton.next_power_of_2(max(experts, top_k))
-    _router_topk_kernel[(rows,)](logits, bias.float().contiguous(), ids, weights, experts, float(scaling), K=top_k,
+    _router_topk_kernel[(rows,)](logits, bias.contiguous(), ids, weights, experts, float(scaling), K=top_k,
                                  BLOCK_E=block_e, RENORMALIZE=bool(renormalize), num_warps=4)
     return ids, weights
 
 
-def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps, key_mask=None, positions=None):
+def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps, key_mask=None, positions=None,
+                 delta=None):
     """RMSNorm (weight `out_weight`, eps `out_eps`) of `sum_j softmax_j((v_j / rms(v_j)) . (norm_weight *
     proj_weight)) v_j` over the sources v_j: the stacked `bank` [n - 1, ..., H], then `last` [..., H]; in fp32, the
     mix rounded to last's dtype before the norm (as the torch code does), returned in that dtype with last's shape.
     With `key_mask` [B, keys] (0 = padding) and `positions` [T] for last [B, T, H], the rows of padding tokens
-    (key_mask[b, positions[t]] == 0) are zeros, read from the mask in place (no index or fill kernels). H is at most
+    (key_mask[b, positions[t]] == 0) are zeros, read from the mask in place (no index or fill kernels). With `delta`
+    (last's shape) the last source is `last + delta` instead, and (that sum, the mix) is returned. H is at most
     MAX_ROW_WIDTH."""
     hidden = last.shape[-1]
     block_h = triton.next_power_of_2(hidden)
@@ -490,6 +506,8 @@ def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps,
     bank, last = bank.contiguous(), last.contiguous()
     rows = last.numel() // hidden
     out = torch.empty_like(last)
+    if delta is not None:
+        delta, total = delta.contiguous(), torch.empty_like(last)
     masked = key_mask is not None
     if masked:  # a prompt chunk's mask is a column slice: read in place through its row stride
         key_mask = key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()
@@ -497,10 +515,11 @@ def attn_res_mix(bank, last, norm_weight, proj_weight, eps, out_weight, out_eps,
         mask_args = (key_mask, positions.contiguous(), last.shape[-2], key_mask.stride(0))
     else:
         mask_args = (last, last, 1, 0)  # not read
-    _attn_res_mix_kernel[(rows,)](bank, last, norm_weight, proj_weight, out_weight, out, rows, float(eps),
+    sum_args = (last, last) if delta is None else (delta, total)  # not read / written without a delta
+    _attn_res_mix_kernel[(rows,)](bank, last, *sum_args, norm_weight, proj_weight, out_weight, out, rows, float(eps),
                                   float(out_eps), *mask_args, N=n, H=hidden, BLOCK_N=triton.next_power_of_2(n),
-                                  BLOCK_H=block_h, MASKED=masked, num_warps=8)
-    return out
+                                  BLOCK_H=block_h, MASKED=masked, HAS_DELTA=delta is not None, num_warps=8)
+    return out if delta is None else (total, out)
 
 
 def short_conv(inputs, weights, states=None, in_place=False, out_dtype=None):

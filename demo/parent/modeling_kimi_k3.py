@@ -191,6 +191,13 @@ def attn_res_mix(bank, partial, norm, proj, out_norm, key_mask=None, positions=N
     return out if key_mask is None else out.masked_fill(~key_mask[:, positions].bool()[..., None], 0.0)
 
 
+def add_attn_res_mix(bank, partial, delta, norm, proj, out_norm):
+    """The sublayer's output `delta` added to the current block's partial sum, then `attn_res_mix` over the bank and
+    that sum: (partial + delta, the mix)."""
+    partial = partial + delta
+    return partial, attn_res_mix(bank, partial, norm, proj, out_norm)
+
+
 class KimiK3AttnResProj(nn.Module):
     """Pseudo-query of one attention-residual mix (weight [1, H]): an fp32 score per source."""
 
@@ -740,6 +747,16 @@ def stacked_experts(stack, experts, routed, counts):
     return torch.cat(out) if out else routed
 
 
+def routed_expert_sum(moe, z, ids, weights, first):
+    """A rank's share of `sum_k w_k expert_k(z)` under expert parallel, fp32 [N, 1, L]: the weighted sum over the
+    (token, slot) pairs whose experts the block holds, experts `first` .. `first + moe.num_experts - 1` of the
+    router's ids [N, k]; one all-reduce over the ranks completes it."""
+    local = ids - first
+    local = torch.where((local >= 0) & (local < moe.num_experts), local, moe.num_experts)
+    pairs = routed_experts(moe, z, local)  # another rank's pairs: rows of zeros
+    return (pairs.float() * weights.float().unsqueeze(-1)).sum(1, keepdim=True)
+
+
 def pair_sum_norm(pairs, weights, norm, dtype):
     """`norm` of the per-(token, slot) expert outputs `pairs` [N, k, L] weighted by `weights` [N, k] in fp32 (None:
     `pairs` are weighted fp32 terms already) and summed over k, rounded to `dtype`: [N, L]."""
@@ -771,6 +788,7 @@ class KimiK3LatentMoE(nn.Module):
                                         self.dispatch)
         self.expert_stack = None  # the `mxfp4.ExpertStack` of the MXFP4 experts' parameters; see stack_experts
         self.expert_parallel = None  # under tensor parallel, this rank's share of the experts (tensor_parallel.py)
+        self.pairs_observer = None  # called with each forward's per-pair expert outputs (reap_tools' observer)
 
     def _expert_key(self):
         """Which parameters (the objects, which the stack keeps alive) and storage the stack was made of."""
@@ -808,23 +826,25 @@ class KimiK3LatentMoE(nn.Module):
 
     def latent_experts(self, z, ids, weights, ops):
         """The routed half in the latent space: `up(norm(sum_k w_k expert_k(z)))` for the latents z [N, L]. Under
-        expert parallel this rank runs its experts' pairs and one all-reduce sums the weighted latent."""
+        expert parallel this rank sums its experts' weighted pairs and one all-reduce completes the sum."""
         ep = self.expert_parallel
-        if ep is not None:
-            ids = ep.local_ids(ids)
-        pairs = ops.routed_experts(self, z, ids)
-        if ep is not None:
-            pairs, weights = ep.sum_pairs(pairs, weights, ids), None
+        if ep is None:
+            pairs = ops.routed_experts(self, z, ids)
+            if self.pairs_observer is not None:
+                self.pairs_observer(pairs)
+        else:
+            pairs, weights = ep.all_reduce(ops.routed_expert_sum(self, z, ids, weights, ep.first)), None
         return self.routed_expert_up_proj(ops.pair_sum_norm(pairs, weights, self.routed_expert_norm, z.dtype))
 
 
 # The reference of every op a block calls through its dispatch (`kimi_k3_dispatch.Ops`): what runs where no fast
 # path is taken, and what each kernel is a drop-in for.
 REFERENCE_OPS = Ops(
-    paths=FastPaths(), situ_glu=situ_glu, attn_res_mix=attn_res_mix, short_convs=short_convs, delta_rule=kda_forward,
+    paths=FastPaths(), situ_glu=situ_glu, attn_res_mix=attn_res_mix, add_attn_res_mix=add_attn_res_mix,
+    short_convs=short_convs, delta_rule=kda_forward,
     gated_rms_norm=gated_rms_norm, mla_keys=mla_keys, sigmoid_gated_heads=sigmoid_gated_heads,
     latent_attention=latent_attention, router_logits=router_logits, router_topk=router_topk,
-    routed_experts=routed_experts, pair_sum_norm=pair_sum_norm,
+    routed_experts=routed_experts, routed_expert_sum=routed_expert_sum, pair_sum_norm=pair_sum_norm,
 )
 
 
@@ -880,8 +900,12 @@ class KimiK3DecoderLayer(nn.Module):
             a = self.self_attn(h, None, cache)
         else:
             a = self.self_attn(h, attention_mask, cache, positions)
-        partial = a if partial is None else partial + a
-        h = ops.attn_res_mix(bank, partial, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
+        if partial is None:
+            partial = a
+            h = ops.attn_res_mix(bank, partial, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
+        else:
+            partial, h = ops.add_attn_res_mix(bank, partial, a, self.mlp_res_norm, self.mlp_res_proj,
+                                              self.post_attention_layernorm)
         ffn = self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
         return bank, bank.close(partial, ffn) if self.closes_block else partial + ffn
 

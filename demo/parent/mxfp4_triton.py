@@ -97,6 +97,13 @@ def max_blocks(num_pairs, num_experts, block_m):
     return num_pairs // block_m + min(num_experts, num_pairs)
 
 
+def local_ids(ids, first, count):
+    """Router ids [N, k] -> the index among experts `first` .. `first + count - 1`, `count` for the others (experts
+    another rank holds)."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, count)
+
+
 def align_blocks(ids, num_experts, block_m):
     """Sort the flat (token, slot) pairs by expert into blocks of `block_m` rows of one expert each.
 
@@ -240,16 +247,16 @@ if triton is not None:
             return tl.where(tl.arange(0, BM) == 0, pid_m, num_pairs).to(rows_ptr.dtype.element_ty)
         return tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
 
-    @triton.jit(do_not_specialize=["num_pairs", "top_k"])
+    @triton.jit(do_not_specialize=["num_pairs", "top_k", "first"])
     def _w13_kernel(z_ptr, rows_ptr, block_expert_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
-                    num_pairs, top_k, stride_z, stride_h, K: tl.constexpr, N: tl.constexpr,
+                    num_pairs, top_k, first, stride_z, stride_h, K: tl.constexpr, N: tl.constexpr,
                     E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     BETA: tl.constexpr, LINEAR_BETA: tl.constexpr, UPCAST: tl.constexpr,
                     F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr, ACT: tl.constexpr, PAIRS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert >= E:
+        expert = tl.load(block_expert_ptr + pid_m) - first
+        if (expert < 0) | (expert >= E):  # another rank's expert, or a block with no work
             return
         rows = _block_rows(rows_ptr, pid_m, num_pairs, BM, PAIRS)
         valid = rows < num_pairs
@@ -285,16 +292,16 @@ if triton is not None:
             h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
         tl.store(h_ptrs, act, mask=x_mask)
 
-    @triton.jit(do_not_specialize=["num_pairs", "top_k"])
+    @triton.jit(do_not_specialize=["num_pairs", "top_k", "first"])
     def _w2_kernel(h_ptr, rows_ptr, block_expert_ptr, w2_ptr, s2_ptr, weight_ptr, y_ptr,
-                   num_pairs, top_k, stride_h, stride_y, K: tl.constexpr, N: tl.constexpr,
+                   num_pairs, top_k, first, stride_h, stride_y, K: tl.constexpr, N: tl.constexpr,
                    E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    UPCAST: tl.constexpr, ATOMIC: tl.constexpr, F32_DOT: tl.constexpr, FAST_MATH: tl.constexpr,
                    ACT: tl.constexpr, PAIRS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert >= E:
+        expert = tl.load(block_expert_ptr + pid_m) - first
+        if (expert < 0) | (expert >= E):  # another rank's expert, or a block with no work
             return
         rows = _block_rows(rows_ptr, pid_m, num_pairs, BM, PAIRS)
         valid = rows < num_pairs
@@ -371,6 +378,48 @@ if triton is not None:
         act = _situ(g, u, BETA, LINEAR_BETA)
         tl.store(out_ptr + row * INNER + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit(do_not_specialize=["pairs", "first", "total"])
+    def _align_blocks_kernel(ids_ptr, ends_ptr, rows_ptr, block_expert_ptr, pairs, first, total,
+                             E: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
+        """`align_blocks` of up to BLOCK_P pairs in one program (a decode step's routing metadata in one launch), the
+        router's ids taken as they are (experts `first` .. `first + E - 1` this block's, the rest bucket E):
+        (1) each bucket's blocks, cumulated into ends[0..E] (global scratch); (2) each pair's slot, its bucket's
+        first block times BM plus its rank among the bucket's earlier pairs; every row padding (`pairs`), then
+        the pairs' rows; (3) each block's expert, the buckets whose blocks end at or before it, at most E."""
+        offs_p = tl.arange(0, BLOCK_P)
+        in_p = offs_p < pairs
+        local = tl.load(ids_ptr + offs_p, mask=in_p, other=0).to(tl.int32) - first
+        e = tl.where((local >= 0) & (local < E), local, E)
+        carry = tl.sum(tl.zeros((CHUNK,), dtype=tl.int32), axis=0)  # blocks of the buckets before the chunk
+        for e0 in range(0, E + 1, CHUNK):  # (1)
+            offs_e = e0 + tl.arange(0, CHUNK)
+            count = tl.sum(((e[None, :] == offs_e[:, None]) & in_p[None, :]).to(tl.int32), axis=1)
+            ends = carry + tl.cumsum((count + BM - 1) // BM, axis=0)
+            tl.store(ends_ptr + offs_e, ends, mask=offs_e <= E)
+            carry = tl.max(tl.where(offs_e <= E, ends, 0), axis=0)
+        same = (e[:, None] == e[None, :]) & in_p[None, :]  # (2) [pair, other pair]
+        rank = tl.sum((same & (offs_p[None, :] < offs_p[:, None])).to(tl.int32), axis=1)
+        count = tl.sum(same.to(tl.int32), axis=1)
+        tl.debug_barrier()  # ends written by all threads
+        start = tl.load(ends_ptr + e, mask=in_p, other=0) - (count + BM - 1) // BM
+        s0 = 0
+        while s0 < total * BM:
+            offs_s = s0 + tl.arange(0, CHUNK)
+            tl.store(rows_ptr + offs_s, tl.full((CHUNK,), 0, tl.int32) + pairs, mask=offs_s < total * BM)
+            s0 += CHUNK
+        tl.debug_barrier()  # the padding before the pairs' rows over it
+        tl.store(rows_ptr + start * BM + rank, offs_p, mask=in_p)
+        b0 = 0
+        while b0 < total:  # (3)
+            offs_b = b0 + tl.arange(0, CHUNK)
+            expert = tl.zeros((CHUNK,), dtype=tl.int32)
+            for e0 in range(0, E + 1, CHUNK):
+                offs_e = e0 + tl.arange(0, CHUNK)
+                ends = tl.load(ends_ptr + offs_e, mask=offs_e <= E, other=2**30)
+                expert += tl.sum((ends[None, :] <= offs_b[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + offs_b, tl.minimum(expert, E), mask=offs_b < total)
+            b0 += CHUNK
+
     @triton.jit
     def _scatter_rows_kernel(src_ptr, index_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         """One program per (row, BLOCK columns): row i of src copied to row index[i] of out (the same bits)."""
@@ -385,6 +434,24 @@ if triton is not None:
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
 
+# Most (token, slot) pairs whose blocks `_align_blocks_kernel` sorts in its one program (a decode step's: 16 tokens
+# at top-16); more take the torch `align_blocks`.
+ALIGN_KERNEL_MAX_PAIRS = 256
+
+
+def align_blocks_fused(ids, num_experts, block_m, first=None):
+    """`align_blocks(local_ids(ids, first, num_experts), num_experts, block_m)` (`first` None: the ids are local
+    already) in one kernel launch, for up to ALIGN_KERNEL_MAX_PAIRS pairs: the same rows and blocks, bit for bit."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    total = max_blocks(pairs, num_experts + 1, block_m)
+    rows = torch.empty(total * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(total, dtype=torch.int32, device=ids.device)
+    ends = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+    _align_blocks_kernel[(1,)](flat, ends, rows, block_expert, pairs, first or 0, total, E=num_experts, BM=block_m,
+                               BLOCK_P=max(16, triton.next_power_of_2(pairs)), CHUNK=128, num_warps=8)
+    return rows, block_expert
+
 
 def _fit(block, size):
     """Largest power-of-two block <= `block` dividing `size` (sizes here are multiples of 32)."""
@@ -398,10 +465,14 @@ def pick_config(num_pairs, num_experts):
 
 
 def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=None, upcast=None, atomic=None,
-                h_dtype=None, fast_math=None, dot_scaled=None):
+                h_dtype=None, fast_math=None, dot_scaled=None, first=None):
     """fp32 [N, L]: sum_k weights[:, k] * expert_{ids[:, k]}(z) over the stacked packs. z: [N, L]. With `weights`
     None each (token, slot)'s expert output on its own, [N, k, L] in `h_dtype`, unweighted (the caller weights and
     sums them, `fused_triton.pair_sum_norm`; no atomic combine).
+
+    `first`: the ids are the router's, of which the stack holds experts `first` .. `first + num_experts - 1` (a
+    rank's share under expert parallel); None: the stack's own indices, `num_experts` for another rank's expert.
+    Pairs routed elsewhere do no work and add nothing to the weighted sum (their per-pair rows are not written).
 
     The intermediate activation (and each expert's output before weighting) is rounded to `h_dtype`, by default
     the activation dtype, as the reference does; the tests pass float32 to check the indexing exactly.
@@ -409,6 +480,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     latent, inner = stack.latent, stack.inner
+    shared = first is not None  # some pairs may be another rank's: their rows stay zero where torch sums them
     config = config or pick_config(pairs, num_experts)
     if upcast is None:
         upcast = ("dot_scaled" if dot_scaled else "manual") if dot_scaled is not None else config.get("upcast", UPCAST)
@@ -426,17 +498,23 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     if mode == 2:  # the lop3 kernels' K order: per group of 32, the 16 elements of low nibbles, then the 16 high
         x = x.view(tokens, latent // 32, 16, 2).transpose(2, 3).reshape(tokens, latent)
     pairs_mode = tokens == 1  # a single token's top-k experts are distinct: one block per pair, no sort
-    if pairs_mode:
+    if pairs_mode:  # the kernels subtract `first` from the router's ids themselves
         rows = block_expert = ids.reshape(-1)
+    elif pairs <= ALIGN_KERNEL_MAX_PAIRS:
+        rows, block_expert = align_blocks_fused(ids, num_experts, block_m, first)
+        first = None
     else:
-        rows, block_expert = align_blocks(ids, num_experts, block_m)
+        local = ids if first is None else local_ids(ids, first, num_experts)
+        rows, block_expert = align_blocks(local, num_experts, block_m)
+        first = None
+    first = first or 0
     blocks = block_expert.numel()
     h = torch.empty(pairs, inner, dtype=act, device=x.device)
     bn, bk, warps, stages = config["w13"]
     bn, bk = _fit(bn, inner), _fit(bk, latent)
     _w13_kernel[(blocks, inner // bn)](
         x, rows, block_expert, stack.w1, stack.s1, stack.w3, stack.s3, h,
-        pairs, top_k, x.stride(0), h.stride(0), K=latent, N=inner,
+        pairs, top_k, first, x.stride(0), h.stride(0), K=latent, N=inner,
         E=num_experts, BM=block_m, BN=bn, BK=bk, BETA=float(beta), LINEAR_BETA=float(linear_beta),
         UPCAST=mode, F32_DOT=_INTERPRET, FAST_MATH=fast_math, ACT=_TL_DTYPES[act], PAIRS=pairs_mode,
         num_warps=warps, num_stages=stages,
@@ -444,13 +522,13 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     if atomic:
         y = torch.zeros(tokens, latent, dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty(pairs, latent, dtype=act, device=x.device)
+        y = (torch.zeros if shared and weights is not None else torch.empty)(pairs, latent, dtype=act, device=x.device)
     flat_weights = y if weights is None else weights.reshape(-1).float().contiguous()  # y: a pointer never read
     bn, bk, warps, stages = config["w2"]
     bn, bk = _fit(bn, latent), _fit(bk, inner)
     _w2_kernel[(blocks, latent // bn)](
         h, rows, block_expert, stack.w2, stack.s2, flat_weights, y,
-        pairs, top_k, h.stride(0), y.stride(0), K=inner, N=latent,
+        pairs, top_k, first, h.stride(0), y.stride(0), K=inner, N=latent,
         E=num_experts, BM=block_m, BN=bn, BK=bk, UPCAST=mode, ATOMIC=atomic, F32_DOT=_INTERPRET, FAST_MATH=fast_math,
         ACT=_TL_DTYPES[act], PAIRS=pairs_mode, num_warps=warps, num_stages=stages,
     )
@@ -543,19 +621,38 @@ def run_experts_upcast_once(stack, z, ids, num_experts, beta, linear_beta, chunk
     return outputs.view(tokens, top_k, latent)
 
 
+def _stack_on(moe, device, caller):
+    stack = moe.stack_experts()
+    if stack is None or stack.w1.device != device:
+        raise ValueError(f"mxfp4_triton.{caller}: the experts of a {moe.num_experts}-expert block are not stacked "
+                         f"on {device}")
+    return stack
+
+
 def routed_experts(moe, z, ids):
     """`modeling_kimi_k3.routed_experts` through the Triton kernels: each (token, slot)'s expert output, unweighted,
     [N, k, L] in bf16 (z's dtype there), rows of pairs with id `num_experts` (another rank's) unwritten."""
-    stack = moe.stack_experts()
-    if stack is None or stack.w1.device != z.device:
-        raise ValueError(f"mxfp4_triton.routed_experts: the experts of a {moe.num_experts}-expert block are not "
-                         f"stacked on {z.device}")
+    stack = _stack_on(moe, z.device, "routed_experts")
     expert = moe.experts
     if upcast_once_pays(ids.numel(), moe.num_experts, z.device):
         pairs = run_experts_upcast_once(stack, z, ids, moe.num_experts, expert.beta, expert.linear_beta)
     else:
         pairs = run_experts(stack, z, ids, None, moe.num_experts, expert.beta, expert.linear_beta)
     return pairs.to(z.dtype)  # the kernels compute in bf16: a no-op for the model's bf16 activations
+
+
+def routed_expert_sum(moe, z, ids, weights, first):
+    """`modeling_kimi_k3.routed_expert_sum` through the Triton kernels: the w2 kernel adds each of the rank's
+    pairs, weighted in fp32, into the token's row (at decode, with the router's ids as they are: no id remap, no
+    per-pair rows, no separate sum); a prompt's grouped-GEMM path sums its per-pair rows in torch."""
+    stack = _stack_on(moe, z.device, "routed_expert_sum")
+    expert = moe.experts
+    if upcast_once_pays(ids.numel(), moe.num_experts, z.device):
+        pairs = run_experts_upcast_once(stack, z, local_ids(ids, first, moe.num_experts), moe.num_experts,
+                                        expert.beta, expert.linear_beta)
+        return (pairs.to(z.dtype).float() * weights.float().unsqueeze(-1)).sum(1, keepdim=True)
+    return run_experts(stack, z, ids, weights, moe.num_experts, expert.beta, expert.linear_beta, atomic=True,
+                       first=first).unsqueeze(1)
 
 
 def upcast_once_pays(pairs, num_experts, device):

@@ -9,9 +9,9 @@ safetensors shards (`kimi_k3_loading.read_tensors`); the routed experts stay MXF
     `g_proj` too, while its low-rank `q_a_proj` / `kv_a_proj_with_mqa` and their norms stay whole, so the latent
     cache (per token, no heads) stays whole and KDA's recurrent state holds only the rank's heads;
   * `o_proj` split by its input columns, its partial outputs summed by one all-reduce;
-  * routed experts by expert parallel: E / N consecutive experts a rank, the router replicated; each rank runs its
-    experts' share of the (token, slot) pairs and one all-reduce sums their weighted fp32 latent before
-    `routed_expert_norm`;
+  * routed experts by expert parallel: E / N consecutive experts a rank, the router replicated; each rank sums its
+    experts' share of the (token, slot) pairs, weighted, in fp32 (`routed_expert_sum`: the expert kernels read the
+    router's ids as they are) and one all-reduce completes the sum before `routed_expert_norm`;
   * the dense layer-0 MLP and the shared experts split by their intermediate size (gate/up by rows, down by
     columns + all-reduce);
   * the embedding and the LM head split by vocabulary (the logits whole on every rank);
@@ -69,18 +69,9 @@ class ExpertParallel:
     def __init__(self, first, count, tp):
         self.first, self.count, self.tp = first, count, tp
 
-    def local_ids(self, ids):
-        """Router ids [N, k] -> this rank's expert index, `count` where another rank holds the expert (the block's
-        reference sum and the expert kernels leave such pairs out)."""
-        local = ids - self.first
-        return torch.where((local >= 0) & (local < self.count), local, self.count)
-
-    def sum_pairs(self, pairs, weights, ids):
-        """Per-pair expert outputs [N, k, L] (rows of other ranks' pairs not read) and their weights [N, k] -> the
-        weighted sum over all experts, fp32 [N, 1, L] (weighted terms, for `pair_sum_norm` with no weights)."""
-        terms = pairs.float() * weights.float().unsqueeze(-1)
-        own = torch.where(ids[..., None] < self.count, terms, 0.0)
-        return all_reduce(own.sum(1, keepdim=True), self.tp.group)
+    def all_reduce(self, partial):
+        """The ranks' partial weighted latent sums (`routed_expert_sum`), summed in place."""
+        return all_reduce(partial, self.tp.group)
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -25,7 +25,8 @@ try:
     from .fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from .fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
     from .kda import kda_forward, supported as fla_supported
-    from .mxfp4_triton import routed_experts as triton_routed_experts, situ_glu as triton_situ_glu
+    from .mxfp4_triton import (routed_expert_sum as triton_routed_expert_sum, routed_experts as triton_routed_experts,
+                               situ_glu as triton_situ_glu)
     from .mxfp4_triton import supported as experts_supported
 except ImportError:  # imported from the repository root rather than as transformers remote code
     from configuration_kimi_k3 import check_fast_paths
@@ -35,7 +36,8 @@ except ImportError:  # imported from the repository root rather than as transfor
     from fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
     from kda import kda_forward, supported as fla_supported
-    from mxfp4_triton import routed_experts as triton_routed_experts, situ_glu as triton_situ_glu
+    from mxfp4_triton import (routed_expert_sum as triton_routed_expert_sum, routed_experts as triton_routed_experts,
+                              situ_glu as triton_situ_glu)
     from mxfp4_triton import supported as experts_supported
 
 logger = logging.get_logger("transformers.kimi_k3")
@@ -71,6 +73,7 @@ class Ops:
     paths: FastPaths
     situ_glu: callable
     attn_res_mix: callable
+    add_attn_res_mix: callable
     short_convs: callable
     delta_rule: callable
     gated_rms_norm: callable
@@ -80,6 +83,7 @@ class Ops:
     router_logits: callable
     router_topk: callable
     routed_experts: callable
+    routed_expert_sum: callable
     pair_sum_norm: callable
 
 
@@ -198,6 +202,17 @@ def fused_attn_res_mix(bank, partial, norm, proj, out_norm, key_mask=None, posit
                                out_norm.variance_epsilon, key_mask, positions)
 
 
+def fused_add_attn_res_mix(bank, partial, delta, norm, proj, out_norm):
+    """`modeling_kimi_k3.add_attn_res_mix` as the one depth-mix kernel, which adds `delta` to the partial sum as it
+    reads it and writes the sum out."""
+    if not bank:
+        partial = partial + delta
+        return partial, out_norm(partial)
+    stacked = bank.stacked() if hasattr(bank, "stacked") else torch.stack(tuple(bank))
+    return triton_attn_res_mix(stacked, partial, norm.weight, proj.weight[0], norm.variance_epsilon, out_norm.weight,
+                               out_norm.variance_epsilon, delta=delta)
+
+
 def fused_short_convs(projected, convs, conv_states, in_place, out_dtype=None):
     """`modeling_kimi_k3.short_convs` as one kernel a conv (`fused_triton.short_conv`); `in_place` overwrites the
     given histories (a static cache's buffers), `out_dtype` is the dtype of the outputs."""
@@ -212,8 +227,8 @@ def fused_gated_rms_norm(o, gate_logits, norm, dtype):
 def fused_latent_attention(q_latent, q_rope, latent, positions, key_mask, scale):
     """`modeling_kimi_k3.latent_attention` for one query a row (`fused_triton.latent_attention`): one pass over the
     keys up to the query's position, which it reads from device memory."""
-    q = torch.cat([q_latent, q_rope], dim=-1)[:, :, 0]
-    return triton_latent_attention(q, latent, positions[:1], key_mask, scale, q_latent.shape[-1]).unsqueeze(2)
+    return triton_latent_attention(q_latent[:, :, 0], q_rope[:, :, 0], latent, positions[:1], key_mask,
+                                   scale).unsqueeze(2)
 
 
 def fused_pair_sum_norm(pairs, weights, norm, dtype):
@@ -246,13 +261,14 @@ def resolve_ops(paths, reference, skipped=()):
     whose kernel fits the config (not in `skipped`) replaced by that kernel."""
     kernels = {}
     if paths.fused:
-        kernels.update(situ_glu=triton_situ_glu, attn_res_mix=fused_attn_res_mix, short_convs=fused_short_convs,
+        kernels.update(situ_glu=triton_situ_glu, attn_res_mix=fused_attn_res_mix,
+                       add_attn_res_mix=fused_add_attn_res_mix, short_convs=fused_short_convs,
                        gated_rms_norm=fused_gated_rms_norm, mla_keys=triton_mla_keys,
                        sigmoid_gated_heads=triton_sigmoid_gated_heads, latent_attention=fused_latent_attention,
                        router_logits=fp32_router_logits, router_topk=triton_router_topk,
                        pair_sum_norm=fused_pair_sum_norm)
     if paths.experts:
-        kernels.update(routed_experts=triton_routed_experts)
+        kernels.update(routed_experts=triton_routed_experts, routed_expert_sum=triton_routed_expert_sum)
     kernels = {name: on_input_device(fn) for name, fn in kernels.items() if name not in skipped}
     if paths.kda or paths.kda_prefill:
         kernels["delta_rule"] = on_input_device(fla_delta_rule(paths.kda_prefill, paths.kda))
