@@ -1,19 +1,20 @@
 """The kernels one decode step launches, per layer kind, whole and as rank 0 of TP8, counted on the CPU.
 
 The release's architecture at tiny widths (`bench.tp_sim`'s, every TP8 split even) with four decoder layers (the
-release's first four: KDA + dense MLP, two KDA + MoE, MLA + MoE) runs one-token decode steps on a fake GPU (`bench.fake_gpu`: CPU tensors
-that report a CUDA device, so every CUDA branch and fast path is taken, side streams and graphs apart), through the
-decode graph's stages on a static cache (its mask and positions as `prepare` makes them). Counted per stage:
+release's first four: KDA + dense MLP, two KDA + MoE, MLA + MoE) runs one-token decode steps on a fake GPU
+(`bench.fake_gpu`: CPU tensors that report a CUDA device, so every CUDA branch and fast path is taken, side streams
+and graphs apart), through the decode graph's stages on a static cache (its mask and positions as `prepare` makes
+them). Counted per stage:
   * Triton kernels and fla's KDA entry points (recorded, not run);
   * aten ops that launch a CUDA kernel: every op but views, allocations without a fill and host reads (a host read
     is counted apart: it would break a CUDA graph);
   * GEMMs among them (mm, addmm, bmm, `_grouped_mm`); cuBLAS may add a split-K reduction to some, not counted;
   * `tensor_parallel.all_reduce` calls (rank 0 of 8, the model sharded by `tensor_parallel.shard`).
-The counts depend on the code path, not on the widths (the expert kernels' blocks at batch 1 are one a pair). One
-artefact: a decode step's block bank is one buffer that the depth mixes read in place, recognised by tensor identity,
-which the fake GPU's aliases lose; the `stack` of the bank counted at each MoE layer's first mix here does not run on
-a GPU (tests/test_decode_glue.py checks that on real tensors). A GPU profile (`bench.tp_sim`) counts what really
-launches; this count runs anywhere, and is what the CPU can say.
+The counts depend on the code path, not on the widths (the expert kernels' blocks at batch 1 are one a pair). A
+decode step's block bank is one buffer that the depth mixes read in place, which the model recognises by tensor
+identity and the fake GPU's aliases lose: a `stack` of rows that lie one after another in one storage (the leading
+rows of such a buffer) is not counted (tests/test_decode_glue.py checks on real tensors that no stack runs). A GPU
+profile (`bench.tp_sim`) counts what really launches; this count runs anywhere, and is what the CPU can say.
 
     python -m bench.kernel_count [--batch 1 8] [--trace] [--out bench/results/kernel_count.json]
 """
@@ -63,11 +64,20 @@ class KernelCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in NO_KERNEL and self.label is not None and not standing_in():
+        counted = not func.is_view and name not in NO_KERNEL and self.label is not None and not standing_in()
+        if counted and not (name == "stack" and _rows_of_one_buffer(args[0])):  # bank rows: a view on a GPU
             if self.trace is not None:
                 self.trace.append((self.label, name, _model_frame()))
             self.counts[self.label]["host read: " + name if name in HOST_READS else name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _rows_of_one_buffer(rows):
+    """Whether `rows` lie one after another in one storage, each right after the previous, from the storage's start."""
+    first = rows[0]
+    size = first.numel() * first.element_size()
+    return all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and r.is_contiguous()
+               and r.data_ptr() == first.untyped_storage().data_ptr() + i * size for i, r in enumerate(rows))
 
 
 class OneKernelOnCuda(TorchFunctionMode):
