@@ -36,12 +36,13 @@ def test_no_decode_stage_reads_the_host(counts):
     assert not reads
 
 
-def test_an_expert_parallel_rank_launches_one_kernel_more_than_the_whole_layer(counts):
-    """At batch 1 a rank's MoE layer takes the router's ids as they are and sums its pairs in the w2 kernel: only
-    the fp32 row the kernel adds into (one fill) is new; no id remap, no per-pair sum."""
+def test_an_expert_parallel_rank_launches_the_kernels_of_the_whole_layer(counts):
+    """At batch 1 a rank's MoE layer takes the router's ids as they are and sums its pairs in the w2 kernel (the
+    fp32 row it adds into zeroed by the launch that readies the latents): no id remap, no per-pair sum, no fill."""
     whole, rank = counts[1, 1], counts[kernel_count.TP, 1]
     for label in moe_layers(whole):
-        assert rank[label]["kernels"] == whole[label]["kernels"] + 1, (label, rank[label]["ops"], whole[label]["ops"])
+        assert rank[label]["kernels"] == whole[label]["kernels"], (label, rank[label]["ops"], whole[label]["ops"])
+        assert rank[label]["triton"]["_expert_inputs_kernel"] == 1
         assert rank[label]["all_reduces"] == 3 and whole[label]["all_reduces"] == 0
         assert {"where", "sub", "bitwise_and", "sum"}.isdisjoint(rank[label]["ops"]), rank[label]["ops"]
         assert rank[label]["triton"]["_w13_kernel"] == rank[label]["triton"]["_w2_kernel"] == 1

@@ -90,6 +90,11 @@ MXFP4_SCRIPT = textwrap.dedent(
                                           config=conf, dot_scaled=False, atomic=True, h_dtype=torch.float32).double())
             err = ((shares[0].double() - alone).norm() / alone.norm().clamp(min=1e-30)).item()
             assert err < 1e-4, (latent, inner, name, "rank 0's share", err)
+        # the expert kernels' inputs in one launch: bf16 latents (lop3's K order) and the zeroed fp32 sum
+        for permute in (False, True):
+            x, y = mt.expert_inputs(z.float(), permute, zero_sum=True)
+            want = z.view(tokens, latent // 32, 16, 2).transpose(2, 3).reshape(tokens, latent) if permute else z
+            assert torch.equal(x, want) and torch.equal(y, torch.zeros(tokens, latent)), ("inputs", permute)
         # a decode step's routing metadata in one kernel: align_blocks' rows and blocks, bit for bit, with the
         # router's ids as they are under expert parallel too
         for first in (None, 0, half):  # None: ids of the block's own experts, `half` for the others'
