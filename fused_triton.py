@@ -5,7 +5,8 @@ moving bytes. Each kernel here replaces one such chain with the same fp32 math:
 
   * `attn_res_mix`: the Block Attention Residuals depth mix `sum_j softmax_j(proj(norm(v_j))) v_j` over the block
     bank (stacked once a block, see the model's `BlockBank`) and the current partial sum, and the RMSNorm of the
-    sublayer that reads it (torch: a stack and ~13 kernels; here 1);
+    sublayer that reads it (torch: a stack and ~13 kernels; here 1), after attention also adding the attention's
+    output to the partial sum as it reads it;
   * `short_conv`: KDA's causal depthwise convolutions + SiLU of q, k and v with their conv histories (torch: ~15
     kernels with the concatenations and copies; here 1), writing a static cache's history buffers in place;
   * `router_topk`: the MoE router after its GEMM: sigmoid, the bias-corrected top-k, the chosen scores gathered,
@@ -17,6 +18,8 @@ moving bytes. Each kernel here replaces one such chain with the same fp32 math:
   * `mla_keys`, `sigmoid_gated_heads`: at an MLA prompt, the per-head keys SDPA reads (each head's k_nope beside
     the shared k_r: a copy at the copy bandwidth where torch's concatenation of an expanded k_r ran at a fifth of
     it) and the output gate applied while the heads' outputs are put back in token order (torch: 3 kernels);
+  * `latent_keys`: MLA's latent of the new tokens, its first part RMS-normed, written into a static cache's buffer
+    at their positions (torch: the norm, a concatenation and an index copy; here 1);
   * `latent_attention`: MLA's one-query attention in the latent space, split over the cached keys (flash
     decoding: each program an online softmax over its keys, one more kernel combining them), reading only the keys
     up to the query's position, which it takes from device memory, so a static cache's unfilled tail costs nothing
@@ -223,6 +226,22 @@ if triton is not None:
         k = tl.where(nope[None, :], k_nope, k_r[None, :])
         tl.store(out_ptr + (n * H + offs_h[:, None]) * (NOPE + ROPE) + offs_d[None, :], k,
                  mask=h_mask & (offs_d < NOPE + ROPE)[None, :])
+
+    @triton.jit
+    def _latent_keys_kernel(kv_ptr, w_ptr, buf_ptr, pos_ptr, stride_kb, stride_kt, stride_bb, stride_bt, eps,
+                            C: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per (row, token): the token's kv_a output [c, k_r] (W values) with c RMS-normed (fp32, weight
+        w, rounded to the input dtype), written to the row's buffer at the token's position."""
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        in_c, in_w = offs < C, offs < W
+        row = tl.load(kv_ptr + b * stride_kb + t * stride_kt + offs, mask=in_w, other=0.0)
+        x = tl.where(in_c, row.to(tl.float32), 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / C + eps)
+        normed = (x * rstd * tl.load(w_ptr + offs, mask=in_c, other=0.0).to(tl.float32)).to(row.dtype)
+        position = tl.load(pos_ptr + t).to(tl.int64)
+        tl.store(buf_ptr + b * stride_bb + position * stride_bt + offs, tl.where(in_c, normed, row), mask=in_w)
 
     @triton.jit
     def _sigmoid_gated_heads_kernel(attn_ptr, g_ptr, out_ptr, T, H, stride_ab, stride_ah, stride_at, D: tl.constexpr,
@@ -453,6 +472,21 @@ def mla_keys(kv, latent, heads, nope_dim, latent_width):
             kv, latent, out, keys, heads, latent.stride(0), latent.stride(1), KV=kv.shape[-1] // heads, NOPE=nope_dim,
             ROPE=rope, C=latent_width, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(nope_dim + rope), num_warps=4)
     return out
+
+
+def latent_keys(kv, weight, eps, latent_width, buffer, positions):
+    """MLA's latent `[rms_norm(c) * weight, k_r]` of `kv = [c, k_r]` [B, T, W] (c: the first `latent_width` values),
+    written into `buffer` [B, max_length, W] at `positions` [T] (a static cache's); returns the buffer. W is at most
+    MAX_ROW_WIDTH."""
+    batch, tokens, width = kv.shape
+    block = triton.next_power_of_2(width)
+    if block > MAX_ROW_WIDTH:
+        _refuse("latent_keys", f"rows of {width} values are wider than {MAX_ROW_WIDTH}")
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    _latent_keys_kernel[(batch, tokens)](kv, weight, buffer, positions, kv.stride(0), kv.stride(1), buffer.stride(0),
+                                         buffer.stride(1), float(eps), C=latent_width, W=width, BLOCK=block,
+                                         num_warps=4)
+    return buffer
 
 
 def sigmoid_gated_heads(attn, gate):

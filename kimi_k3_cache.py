@@ -206,6 +206,11 @@ class KimiK3LatentCacheLayer(KimiK3CacheLayer):
         self.latent = buffer[:, :total]
         return self.latent
 
+    def buffer_for(self, latent):
+        """The buffer the new tokens' latents are to be written into in place at their positions (a static cache's),
+        or None: they go through `update`."""
+        return None
+
     def crop(self, tokens):
         """Forget the last `tokens` latents (the buffer keeps its room: the next update writes over them)."""
         if tokens and self.latent is not None:
@@ -351,9 +356,13 @@ class KimiK3StaticLatentCacheLayer(KimiK3StaticCacheLayer, KimiK3LatentCacheLaye
     def update(self, latent, positions):
         """Write the new latents at their positions; returns the whole [B, max_length, width] buffer (the unused
         tail is masked as future keys)."""
+        return self.buffer_for(latent).index_copy_(1, positions, latent)
+
+    def buffer_for(self, latent):
+        """The [B, max_length, width] buffer (made by the first call, zeroed), written in place."""
         if self.latent is None:
             self.latent = latent.new_zeros(self.rows, self.max_length, latent.shape[-1])
-        return self.latent.index_copy_(1, positions, latent)
+        return self.latent
 
     def crop(self, tokens):
         """Nothing to drop: slots past the cache's token count are future keys, masked, and written over next."""

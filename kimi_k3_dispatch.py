@@ -21,7 +21,8 @@ try:
     from .configuration_kimi_k3 import check_fast_paths
     from .fused_triton import MAX_ROW_WIDTH, supported as fused_supported
     from .fused_triton import attn_res_mix as triton_attn_res_mix, gated_rms_norm as triton_gated_rms_norm
-    from .fused_triton import latent_attention as triton_latent_attention, mla_keys as triton_mla_keys
+    from .fused_triton import latent_attention as triton_latent_attention, latent_keys as triton_latent_keys
+    from .fused_triton import mla_keys as triton_mla_keys
     from .fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from .fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
     from .kda import kda_forward, supported as fla_supported
@@ -32,7 +33,8 @@ except ImportError:  # imported from the repository root rather than as transfor
     from configuration_kimi_k3 import check_fast_paths
     from fused_triton import MAX_ROW_WIDTH, supported as fused_supported
     from fused_triton import attn_res_mix as triton_attn_res_mix, gated_rms_norm as triton_gated_rms_norm
-    from fused_triton import latent_attention as triton_latent_attention, mla_keys as triton_mla_keys
+    from fused_triton import latent_attention as triton_latent_attention, latent_keys as triton_latent_keys
+    from fused_triton import mla_keys as triton_mla_keys
     from fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
     from kda import kda_forward, supported as fla_supported
@@ -78,6 +80,7 @@ class Ops:
     delta_rule: callable
     gated_rms_norm: callable
     mla_keys: callable
+    latent_keys: callable
     sigmoid_gated_heads: callable
     latent_attention: callable
     router_logits: callable
@@ -110,6 +113,8 @@ def shape_limits(config):
         ("fused", "attn_res_mix", "hidden_size", text.hidden_size, text.hidden_size <= widest, f"<= {widest}"),
         ("fused", "pair_sum_norm", "routed_expert_hidden_size", text.routed_expert_hidden_size,
          text.routed_expert_hidden_size <= widest, f"<= {widest}"),
+        ("fused", "latent_keys", "kv_lora_rank + qk_rope_head_dim", text.kv_lora_rank + text.qk_rope_head_dim,
+         text.kv_lora_rank + text.qk_rope_head_dim <= widest, f"<= {widest}"),
         ("fused", "gated_rms_norm", "linear_attn_config.head_dim", lac["head_dim"], _power_of_two(lac["head_dim"]),
          "a power of two"),
         ("fused", "router_topk", "num_experts_per_token", text.num_experts_per_token,
@@ -224,6 +229,12 @@ def fused_gated_rms_norm(o, gate_logits, norm, dtype):
     return triton_gated_rms_norm(o, gate_logits, norm.weight, norm.variance_epsilon, dtype)
 
 
+def fused_latent_keys(kv, norm, latent_width, buffer, positions):
+    """`modeling_kimi_k3.latent_keys` into a static cache's buffer as one kernel (`fused_triton.latent_keys`: the
+    norm, the concatenation and the write)."""
+    return triton_latent_keys(kv, norm.weight, norm.variance_epsilon, latent_width, buffer, positions)
+
+
 def fused_latent_attention(q_latent, q_rope, latent, positions, key_mask, scale):
     """`modeling_kimi_k3.latent_attention` for one query a row (`fused_triton.latent_attention`): one pass over the
     keys up to the query's position, which it reads from device memory."""
@@ -265,6 +276,7 @@ def resolve_ops(paths, reference, skipped=()):
                        add_attn_res_mix=fused_add_attn_res_mix, short_convs=fused_short_convs,
                        gated_rms_norm=fused_gated_rms_norm, mla_keys=triton_mla_keys,
                        sigmoid_gated_heads=triton_sigmoid_gated_heads, latent_attention=fused_latent_attention,
+                       latent_keys=fused_latent_keys,
                        router_logits=fp32_router_logits, router_topk=triton_router_topk,
                        pair_sum_norm=fused_pair_sum_norm)
     if paths.experts:

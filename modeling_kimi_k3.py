@@ -391,6 +391,15 @@ def mla_keys(kv, latent, heads, nope_dim, latent_width):
     return torch.cat([k_nope, k_r], dim=-1)
 
 
+def latent_keys(kv, norm, latent_width, buffer=None, positions=None):
+    """MLA's compressed latent `[norm(c), k_r]` [B, T, C + R] of the tokens' `kv_a_proj_with_mqa` output
+    `kv = [c, k_r]` (C = `latent_width`); with `buffer` (a static cache's [B, max_length, C + R]) it is written there
+    at `positions` [T] and the whole buffer is returned."""
+    c, k_r = kv.split([latent_width, kv.shape[-1] - latent_width], dim=-1)
+    latent = torch.cat([norm(c), k_r], dim=-1)
+    return latent if buffer is None else buffer.index_copy_(1, positions, latent)
+
+
 def sigmoid_gated_heads(attn, gate):
     """MLA's gated output: the heads' outputs `attn` [B, heads, T, D] as [B, T, heads * D] times sigmoid(`gate`)."""
     batch, _, length, _ = attn.shape
@@ -471,10 +480,16 @@ class KimiK3MLAttention(nn.Module):
         """The compressed latent `[kv_a_layernorm(c), k_r]` of these tokens, written to the cache; returns every
         key these queries may see [B, keys, kv_lora_rank + rope] and whether to attend in the latent space."""
         length = x.shape[1]
-        c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
-        if cache is not None:
-            latent = cache.layers[self.layer_idx].update(latent, positions)
+        ops = self.dispatch.ops(x.device, self.kv_b_proj.weight.is_meta)
+        kv = self.kv_a_proj_with_mqa(x)
+        layer = None if cache is None else cache.layers[self.layer_idx]
+        buffer = None if layer is None else layer.buffer_for(kv)
+        if buffer is not None:  # a static cache's, written in place
+            latent = ops.latent_keys(kv, self.kv_a_layernorm, self.kv_lora_rank, buffer, positions)
+        else:
+            latent = latent_keys(kv, self.kv_a_layernorm, self.kv_lora_rank)
+            if layer is not None:
+                latent = layer.update(latent, positions)
         # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
         # own forward, so an offloaded (meta) weight takes the expanding path.
         absorb = (latent.shape[1] > length and length <= self.ABSORB_MAX_QUERIES
@@ -843,7 +858,7 @@ REFERENCE_OPS = Ops(
     paths=FastPaths(), situ_glu=situ_glu, attn_res_mix=attn_res_mix, add_attn_res_mix=add_attn_res_mix,
     short_convs=short_convs, delta_rule=kda_forward,
     gated_rms_norm=gated_rms_norm, mla_keys=mla_keys, sigmoid_gated_heads=sigmoid_gated_heads,
-    latent_attention=latent_attention, router_logits=router_logits, router_topk=router_topk,
+    latent_keys=latent_keys, latent_attention=latent_attention, router_logits=router_logits, router_topk=router_topk,
     routed_experts=routed_experts, routed_expert_sum=routed_expert_sum, pair_sum_norm=pair_sum_norm,
 )
 

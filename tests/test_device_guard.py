@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import kimi_k3_dispatch  # noqa: E402
 from bench.fake_gpu import FAKE_GPU, FakeGpuMode, recorded_launches, to_fake_gpu, triton_kernels  # noqa: E402
 from kimi_k3_dispatch import use_fast_paths  # noqa: E402
-from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, new_dispatch  # noqa: E402
+from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, KimiK3StaticCache, new_dispatch  # noqa: E402
 from reap_tools.tiny import tiny_config  # noqa: E402
 
 SECOND_GPU = FAKE_GPU
@@ -36,8 +36,8 @@ def launches():
 
 def run_layers_on_second_gpu(kda_prefill="on"):
     """A KDA + MoE and an MLA + MoE layer on cuda:1, prefill of 5 tokens at batch 2, then a one-token decode step at
-    batch 2 and at batch 1 (per-pair expert blocks), every fast path on but side streams (fla's chunked KDA prefill
-    kernel as `kda_prefill` says)."""
+    batch 2 and at batch 1 (per-pair expert blocks), growing caches and a static one, every fast path on but side
+    streams (fla's chunked KDA prefill kernel as `kda_prefill` says)."""
     config = tiny_config(packed=True, hidden_size=64, routed_expert_hidden_size=64, moe_intermediate_size=64,
                          num_experts=8, num_experts_per_token=4).text_config
     kinds = {config.layer_types[i]: i for i in range(1, config.num_hidden_layers)}
@@ -49,8 +49,8 @@ def run_layers_on_second_gpu(kda_prefill="on"):
             assert layer.block_sparse_moe.stack_experts() is not None
         with use_fast_paths(layers[0], side_streams="off", cuda_graphs="off", kda_prefill=kda_prefill, experts="on",
                             kda="on", fused="on"):
-            for batch in (2, 1):
-                cache = KimiK3Cache(config)
+            for batch, cache in ((2, KimiK3Cache(config)), (1, KimiK3Cache(config)),
+                                 (1, KimiK3StaticCache(config, batch_size=1, max_length=8, cuda_graph=False))):
                 for length in (5, 1):
                     partial = torch.randn(batch, length, config.hidden_size, dtype=torch.bfloat16, device=SECOND_GPU)
                     bank = (torch.randn_like(partial),)

@@ -346,6 +346,28 @@ def test_fused_depth_mix_matches_torch(n, rows):
     assert torch.equal(added, over_sum), "the mix after the kernel's add is not the mix over the sum"
 
 
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 1), (2, 300)])
+def test_fused_latent_keys_match_torch(batch, tokens):
+    """fused_triton.latent_keys (the kv_a output's norm, concatenation and write into a static cache's buffer) vs the
+    model's torch code at the release's MLA width, bf16: the rope part exactly, the normed part to a bf16 ulp; the
+    other slots untouched."""
+    from modeling_kimi_k3 import latent_keys
+
+    gen = torch.Generator(device=DEVICE).manual_seed(batch)
+    norm = KimiK3RMSNorm(512, eps=1e-6).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+    kv = torch.randn(batch, tokens, 576, device=DEVICE, generator=gen).mul_(3).to(torch.bfloat16)
+    positions = torch.randperm(4096, device=DEVICE, generator=gen)[:tokens]
+    got = fused_triton.latent_keys(kv, norm.weight, 1e-6, 512, torch.zeros(batch, 4096, 576, device=DEVICE,
+                                                                           dtype=torch.bfloat16), positions)
+    with torch.no_grad():
+        want = latent_keys(kv, norm, 512, torch.zeros(batch, 4096, 576, device=DEVICE, dtype=torch.bfloat16),
+                           positions)
+    assert torch.equal(got[..., 512:], want[..., 512:]) and max_rel(got, want) <= 2 ** -7
+    assert torch.equal(got.abs().sum(-1) > 0, want.abs().sum(-1) > 0)
+
+
 @pytest.mark.parametrize("length,with_state", [(1, True), (2, True), (300, False)])
 def test_fused_short_conv_matches_torch(length, with_state):
     """fused_triton's short convs (q, k, v of a real-width KDA layer) vs the model's torch code, bf16; the new

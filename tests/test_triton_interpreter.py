@@ -284,6 +284,23 @@ FUSED_SCRIPT = textwrap.dedent(
         ref = torch.cat([k_nope, latent[..., c:].unsqueeze(2).expand(-1, -1, heads, -1)], dim=-1)
         assert torch.equal(fused_triton.mla_keys(kv, latent, heads, nope, c), ref), ("mla keys", heads, dtype)
 
+    # MLA's latent (kv_a output, c RMS-normed) written into a static cache's buffer at the tokens' positions, against
+    # the reference's norm, concatenation and index_copy_
+    from modeling_kimi_k3 import KimiK3RMSNorm, latent_keys
+    for batch, tokens, c, rope, dtype in [(2, 3, 32, 8, torch.float32), (1, 1, 64, 16, torch.bfloat16)]:
+        norm = KimiK3RMSNorm(c, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        kv = torch.randn(batch, tokens, c + rope).mul_(3).to(dtype)
+        positions = torch.tensor([5, 2, 7][:tokens])
+        got = fused_triton.latent_keys(kv, norm.weight, 1e-6, c, torch.zeros(batch, 9, c + rope, dtype=dtype),
+                                       positions)
+        with torch.no_grad():
+            want = latent_keys(kv, norm, c, torch.zeros(batch, 9, c + rope, dtype=dtype), positions)
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: an ulp (the interpreter truncates)
+        assert torch.equal(got[..., c:], want[..., c:]) and ((got - want).abs() <= want.abs() * tol + 1e-7).all(), (
+            "latent keys", batch, tokens, dtype)
+
     # MLA's output gate over the heads' outputs put back in token order, against the torch ops
     for batch, heads, length, width, dtype in [(2, 3, 5, 16, torch.float32), (1, 40, 2, 8, torch.bfloat16)]:
         attn = torch.randn(batch, length, heads, width).to(dtype).transpose(1, 2)  # SDPA's strides
