@@ -121,6 +121,12 @@ class KimiK3DeltaCacheLayer(KimiK3CacheLayer):
         """How many of a call's `length` tokens to record: the last ones, up to the window (0 when not recording)."""
         return min(length, self.rollback_window)
 
+    def decode_step(self, length):
+        """Whether a call of `length` tokens is a decode step, which the KDA block may run as one kernel: one token
+        onto the states held here, nothing recorded (recording keeps the convolved inputs and the state before the
+        token, which a kernel writing the states over in place does not give)."""
+        return length == 1 and self.recurrent_state is not None and not self.recorded(length)
+
     def stage_conv(self, projected, kernel):
         """Before the short convs run: the conv inputs of this call's recorded tokens with the kernel - 1 before
         them ([B, D, kernel - 1 + kept] per q, k, v), from `projected` [B, T, D] and the conv histories."""

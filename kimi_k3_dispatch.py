@@ -25,6 +25,7 @@ try:
     from .fused_triton import mla_keys as triton_mla_keys
     from .fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from .fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
+    from .fused_triton import MAX_KDA_HEAD_DIM, kda_decode_step as triton_kda_decode_step
     from .kda import kda_forward, supported as fla_supported
     from .mxfp4_triton import (routed_expert_sum as triton_routed_expert_sum, routed_experts as triton_routed_experts,
                                situ_glu as triton_situ_glu)
@@ -37,6 +38,7 @@ except ImportError:  # imported from the repository root rather than as transfor
     from fused_triton import mla_keys as triton_mla_keys
     from fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
+    from fused_triton import MAX_KDA_HEAD_DIM, kda_decode_step as triton_kda_decode_step
     from kda import kda_forward, supported as fla_supported
     from mxfp4_triton import (routed_expert_sum as triton_routed_expert_sum, routed_experts as triton_routed_experts,
                               situ_glu as triton_situ_glu)
@@ -78,6 +80,7 @@ class Ops:
     add_attn_res_mix: callable
     short_convs: callable
     delta_rule: callable
+    kda_decode_step: callable
     gated_rms_norm: callable
     mla_keys: callable
     latent_keys: callable
@@ -117,6 +120,9 @@ def shape_limits(config):
          text.kv_lora_rank + text.qk_rope_head_dim <= widest, f"<= {widest}"),
         ("fused", "gated_rms_norm", "linear_attn_config.head_dim", lac["head_dim"], _power_of_two(lac["head_dim"]),
          "a power of two"),
+        ("fused", "kda_decode_step", "linear_attn_config.head_dim", lac["head_dim"],
+         _power_of_two(lac["head_dim"]) and lac["head_dim"] <= MAX_KDA_HEAD_DIM,
+         f"a power of two up to {MAX_KDA_HEAD_DIM}"),
         ("fused", "router_topk", "num_experts_per_token", text.num_experts_per_token,
          _power_of_two(text.num_experts_per_token), "a power of two"),
         ("experts", "routed_experts", "quantization_config", "packed" if _experts_packed(config) else "float",
@@ -224,6 +230,15 @@ def fused_short_convs(projected, convs, conv_states, in_place, out_dtype=None):
     return triton_short_conv(projected, [c.weight for c in convs], conv_states, in_place, out_dtype)
 
 
+def fused_kda_decode_step(projected, convs, conv_states, g_raw, beta_raw, gate_logits, A_log, dt_bias, lower_bound,
+                          scale, state, norm, dtype, in_place=False):
+    """`modeling_kimi_k3.kda_decode_step` as one kernel (`fused_triton.kda_decode_step`): the short convs, the
+    delta rule (in place of fla's recurrent kernel, whatever the `kda` path says) and the gated norm."""
+    return triton_kda_decode_step(projected, [c.weight for c in convs], conv_states, g_raw, beta_raw, gate_logits,
+                                  A_log, dt_bias, lower_bound, scale, state, norm.weight, norm.variance_epsilon,
+                                  dtype, in_place)
+
+
 def fused_gated_rms_norm(o, gate_logits, norm, dtype):
     """`modeling_kimi_k3.gated_rms_norm` as one kernel (`fused_triton.gated_rms_norm`)."""
     return triton_gated_rms_norm(o, gate_logits, norm.weight, norm.variance_epsilon, dtype)
@@ -274,6 +289,7 @@ def resolve_ops(paths, reference, skipped=()):
     if paths.fused:
         kernels.update(situ_glu=triton_situ_glu, attn_res_mix=fused_attn_res_mix,
                        add_attn_res_mix=fused_add_attn_res_mix, short_convs=fused_short_convs,
+                       kda_decode_step=fused_kda_decode_step,
                        gated_rms_norm=fused_gated_rms_norm, mla_keys=triton_mla_keys,
                        sigmoid_gated_heads=triton_sigmoid_gated_heads, latent_attention=fused_latent_attention,
                        latent_keys=fused_latent_keys,
@@ -284,7 +300,11 @@ def resolve_ops(paths, reference, skipped=()):
     kernels = {name: on_input_device(fn) for name, fn in kernels.items() if name not in skipped}
     if paths.kda or paths.kda_prefill:
         kernels["delta_rule"] = on_input_device(fla_delta_rule(paths.kda_prefill, paths.kda))
-    return dataclasses.replace(reference, paths=paths, **kernels)
+    table = dataclasses.replace(reference, paths=paths, **kernels)
+    if "kda_decode_step" in kernels:
+        return table
+    # without its one kernel a KDA decode step is the table's own short convs, delta rule and gated norm
+    return dataclasses.replace(table, kda_decode_step=functools.partial(reference.kda_decode_step, parts=table))
 
 
 class FastPathDispatch:

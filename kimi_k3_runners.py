@@ -60,14 +60,14 @@ class SideBranch:
 
 
 def kda_side_by_side(attn, x, cache, ops):
-    """`KimiK3DeltaAttention.forward` (after masking) with the gate inputs beside the q/k/v projections and convs."""
+    """`KimiK3DeltaAttention.forward` (after masking) with the gate inputs beside the q/k/v projections."""
     own = attn.cache_layer(cache)
     branch = SideBranch(x)
     with branch:
         gates = attn.gate_inputs(x)
-    qkv = attn.qkv(x, own, ops)
+    projected = attn.qkv(x)
     branch.join()
-    return attn.delta_rule(x, qkv, gates, own, ops)
+    return attn.delta_rule(x, projected, gates, own, ops)
 
 
 def mla_side_by_side(attn, x, attention_mask, cache, positions, ops):

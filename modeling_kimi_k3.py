@@ -258,6 +258,25 @@ def gated_rms_norm(o, gate_logits, norm, dtype):
     return norm(o.to(dtype)) * torch.sigmoid(gate_logits)
 
 
+def kda_decode_step(projected, convs, conv_states, g_raw, beta_raw, gate_logits, A_log, dt_bias, lower_bound, scale,
+                    state, norm, dtype, in_place=False, parts=None):
+    """One token of a KDA layer after its projections, onto a cache's states: q, k, v (`projected`, [B, 1, heads *
+    D] each) through their short convs `convs` from the histories `conv_states`, the delta rule (`kda_forward`:
+    gate, beta, L2 norms) from the fp32 recurrent `state` [B, heads, D, D] with `g_raw`, `gate_logits` [B, 1,
+    heads, D] and `beta_raw` [B, 1, heads], then `gated_rms_norm` (`norm`) in `dtype`. Returns (the output [B, 1,
+    heads, D], the new conv histories, the new state); `in_place` lets a kernel write the new states over the given
+    ones (a static cache's buffers).
+
+    Made of the `short_convs`, `delta_rule` and `gated_rms_norm` of `parts` (an `Ops` table, the references where
+    None): a table without a kernel for the whole step runs it as its own kernels for the three."""
+    parts = parts or REFERENCE_OPS
+    (q, k, v), conv_states = parts.short_convs(projected, convs, conv_states, in_place)
+    heads = g_raw.shape
+    o, state = parts.delta_rule(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw, A_log, dt_bias,
+                                lower_bound, scale, state, in_place=in_place)
+    return parts.gated_rms_norm(o, gate_logits, norm, dtype), conv_states, state
+
+
 class KimiK3ShortConv(nn.Conv1d):
     """Causal depthwise convolution + SiLU (`short_conv`); with a cache it carries the last `kernel - 1` inputs."""
 
@@ -307,7 +326,7 @@ class KimiK3DeltaAttention(nn.Module):
             return kda_side_by_side(self, x, cache, ops)
         own = self.cache_layer(cache)
         gates = self.gate_inputs(x)
-        return self.delta_rule(x, self.qkv(x, own, ops), gates, own, ops)
+        return self.delta_rule(x, self.qkv(x), gates, own, ops)
 
     def cache_layer(self, cache):
         """This layer's share of `cache`; without one a scratch layer (zero state, dropped after the call)."""
@@ -319,28 +338,34 @@ class KimiK3DeltaAttention(nn.Module):
         heads = (*x.shape[:2], self.num_heads, self.head_dim)
         return self.f_b_proj(self.f_a_proj(x)).view(heads), self.b_proj(x), self.g_proj(x).view(heads)
 
-    def qkv(self, x, own, ops):
-        """q, k, v projected and through their short convs (histories from the cache layer `own`); returns
-        ((q, k, v), the new conv histories). Where fla's chunked kernel takes them (in fp32, see kda.py), a conv
-        kernel may store them in fp32 (the same values), which spares a cast of each."""
-        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        if own.recorded(x.shape[1]):  # a cache that can roll back keeps the conv inputs (before a kernel
-            own.stage_conv(projected, self.q_conv1d.kernel_size[0])  # overwrites the histories in place)
-        fp32 = torch.float32 if ops.paths.kda_prefill and x.shape[1] > 1 else None
-        return ops.short_convs(projected, (self.q_conv1d, self.k_conv1d, self.v_conv1d), own.conv_states,
-                               own.in_place, fp32)
+    def qkv(self, x):
+        """q, k, v projected, [B, T, heads * dim] each, before their short convs (which `delta_rule` runs)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def delta_rule(self, x, qkv, gates, own, ops):
-        """The gated delta rule over the convolved q, k, v from `own`'s recurrent state (both states written back
-        to `own`), then the gated per-head RMSNorm and the output projection."""
-        (q, k, v), conv_states = qkv
+    def delta_rule(self, x, projected, gates, own, ops):
+        """q, k, v (`projected`) through their short convs and the gated delta rule from `own`'s states (both
+        written back to `own`), then the gated per-head RMSNorm and the output projection. A decode step is one
+        `kda_decode_step`; other calls run the three in turn, and a cache that can roll back records between them."""
         g_raw, beta_raw, gate_logits = gates
         batch, length, _ = x.shape
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        constants = (self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5)
+        if own.decode_step(length):
+            o, conv_states, state = ops.kda_decode_step(projected, convs, own.conv_states, g_raw, beta_raw,
+                                                        gate_logits, *constants, own.recurrent_state, self.o_norm,
+                                                        x.dtype, own.in_place)
+            own.update(conv_states, state)
+            return self.o_proj(o.reshape(batch, length, -1))
+        kept = own.recorded(length)  # a cache that can roll back keeps the conv inputs (before a kernel
+        if kept:  # overwrites the histories in place) and the state before the tokens it records
+            own.stage_conv(projected, self.q_conv1d.kernel_size[0])
+        # where fla's chunked kernel takes q, k, v (in fp32, see kda.py) a conv kernel may store them in fp32 (the
+        # same values), which spares a cast of each
+        fp32 = torch.float32 if ops.paths.kda_prefill and length > 1 else None
+        (q, k, v), conv_states = ops.short_convs(projected, convs, own.conv_states, own.in_place, fp32)
         heads = (batch, length, self.num_heads, self.head_dim)
         inputs = (q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw)
-        kept = own.recorded(length)  # a cache that can roll back: also the state before the tokens it records
-        o, state, *base = ops.delta_rule(*inputs, self.A_log[: self.num_heads], self.dt_bias, self.lower_bound,
-                                         self.head_dim**-0.5, own.recurrent_state, in_place=own.in_place,
+        o, state, *base = ops.delta_rule(*inputs, *constants, own.recurrent_state, in_place=own.in_place,
                                          **(dict(states_at=[length - kept]) if kept else {}))
         if kept:
             own.record(inputs, base[0][:, 0], self.replay(ops))
@@ -856,7 +881,7 @@ class KimiK3LatentMoE(nn.Module):
 # path is taken, and what each kernel is a drop-in for.
 REFERENCE_OPS = Ops(
     paths=FastPaths(), situ_glu=situ_glu, attn_res_mix=attn_res_mix, add_attn_res_mix=add_attn_res_mix,
-    short_convs=short_convs, delta_rule=kda_forward,
+    short_convs=short_convs, delta_rule=kda_forward, kda_decode_step=kda_decode_step,
     gated_rms_norm=gated_rms_norm, mla_keys=mla_keys, sigmoid_gated_heads=sigmoid_gated_heads,
     latent_keys=latent_keys, latent_attention=latent_attention, router_logits=router_logits, router_topk=router_topk,
     routed_experts=routed_experts, routed_expert_sum=routed_expert_sum, pair_sum_norm=pair_sum_norm,

@@ -49,12 +49,22 @@ def test_an_expert_parallel_rank_launches_the_kernels_of_the_whole_layer(counts)
 
 
 def test_the_count_sees_every_kind_of_launch(counts):
-    """GEMMs, Triton kernels, fla's recurrence and torch's own kernels each show up (the counter is not blind)."""
+    """GEMMs, Triton kernels and torch's own kernels each show up (the counter is not blind)."""
     step = counts[1, 1]
     kda = step["layer 1 (kda_moe)"]
-    assert kda["gemms"] >= 5 and kda["triton"].get("fla_fused_recurrent_kda") == 1
+    assert kda["gemms"] >= 5 and kda["triton"].get("_kda_decode_step_kernel") == 1
     assert kda["kernels"] > kda["gemms"] + sum(kda["triton"].values())
     assert "_latent_attention_combine_kernel" in step["layer 3 (mla_moe)"]["triton"]
+
+
+def test_a_kda_decode_step_is_one_kernel_after_the_projections(counts):
+    """A KDA layer's short convs, delta rule (fla's zeroed output and recurrence) and gated norm are one kernel at a
+    decode step, whole and as a TP8 rank, at batch 1 and 8."""
+    for (tp, batch), step in counts.items():
+        for label in (label for label in step if "(kda_" in label):
+            triton = step[label]["triton"]
+            assert triton.get("_kda_decode_step_kernel") == 1, (tp, batch, label, triton)
+            assert {"_short_conv_kernel", "_gated_rms_norm_kernel", "fla_fused_recurrent_kda"}.isdisjoint(triton)
 
 
 def test_a_batch_of_8_sorts_its_pairs_in_one_kernel(counts):

@@ -33,7 +33,8 @@ import mxfp4_triton  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from kimi_k3_dispatch import FastPaths, use_fast_paths  # noqa: E402
 from modeling_kimi_k3 import (BlockBank, KimiK3AttnResProj, KimiK3Cache, KimiK3DeltaAttention,  # noqa: E402
-                              KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3StaticCache, new_dispatch)
+                              KimiK3LatentMoE, KimiK3MLAttention, KimiK3RMSNorm, KimiK3ShortConv,
+                              KimiK3StaticCache, new_dispatch)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SM90 = GPUTarget("cuda", 90, 32)
@@ -105,6 +106,7 @@ def recorded():
             record_moe(text)
             record_attn_res_mix(text)
             record_short_convs(text)
+            record_kda_decode_step(text)
             record_latent_attention(text)
     finally:
         patch.undo()
@@ -200,6 +202,38 @@ def record_short_convs(text):
                        torch.randn(heads[:1] + (1,) + heads[2:]).to(torch.bfloat16), attn.o_norm, torch.bfloat16)
 
 
+def record_kda_decode_step(text):
+    """A KDA layer's decode step from the block's own code after its projections (`delta_rule`), whole and as a
+    TP8 rank (12 heads): onto a static cache's states (written in place) and a growing cache's, one row and four,
+    q, k, v as the projections give them."""
+    for heads in (text.linear_attn_config["num_heads"], text.linear_attn_config["num_heads"] // 8):
+        with torch.device("meta"):
+            attn = KimiK3DeltaAttention(text, layer_idx=0)
+        attn.num_heads = heads
+        width = heads * attn.head_dim
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            setattr(attn, name, KimiK3ShortConv(width, attn.q_conv1d.kernel_size[0]).to(torch.bfloat16))
+        attn.o_norm = attn.o_norm.to_empty(device="cpu").to(torch.bfloat16)
+        attn.A_log = torch.nn.Parameter(torch.zeros(heads))
+        attn.dt_bias = torch.nn.Parameter(torch.zeros(width))
+        attn.o_proj = torch.nn.Identity()
+        ops = attn.dispatch.ops(torch.device("cpu"))
+        for batch in (1, 4):
+            x = torch.randn(batch, 1, text.hidden_size).to(torch.bfloat16)
+            projected = tuple(torch.randn(batch, 1, width).to(torch.bfloat16) for _ in range(3))
+            gates = (torch.randn(batch, 1, heads, attn.head_dim).to(torch.bfloat16),
+                     torch.randn(batch, 1, heads).to(torch.bfloat16),
+                     torch.randn(batch, 1, heads, attn.head_dim).to(torch.bfloat16))
+            histories = tuple(torch.zeros(batch, width, 3, dtype=torch.bfloat16) for _ in range(3))
+            state = torch.zeros(batch, heads, attn.head_dim, attn.head_dim)
+            for cache in (KimiK3StaticCache(text, batch_size=batch, max_length=16, cuda_graph=False),
+                          KimiK3Cache(text)):
+                own = cache.layers[0]
+                own.update(histories, state)
+                assert own.decode_step(1)
+                attn.delta_rule(x, projected, gates, own, ops)
+
+
 def record_latent_attention(text):
     """MLA from the block's own code: a prompt (its per-head keys and its gated output) and the one-query attention
     of a decode step into a static cache (its mask buffer, a tail past the query) and into a growing cache with and
@@ -259,6 +293,18 @@ def test_the_router_ids_reach_the_per_pair_expert_kernels_as_int64(recorded, com
     per_pair = [compiled[key][0] for key, (name, _, _, kwargs) in recorded.items()
                 if name == "_w13_kernel" and kwargs["PAIRS"]]
     assert per_pair and all(signature["rows_ptr"] == "*i64" for signature in per_pair)
+
+
+def test_the_kda_decode_step_compiles_for_the_release_head(recorded, compiled):
+    """One program a (row, head) of the release's 128-wide heads: its fp32 state read and written through fp32
+    pointers, the bf16 projections, histories and output as the block passes them."""
+    found = [(kwargs, compiled[key][0]) for key, (name, _, _, kwargs) in recorded.items()
+             if name == "_kda_decode_step_kernel"]
+    assert found and all(kwargs["D"] == 128 and kwargs["LOWER_BOUND"] for kwargs, _ in found)
+    for _, signature in found:
+        assert signature["state_ptr"] == signature["state_out_ptr"] == "*fp32"
+        assert {signature[p] for p in ("q_ptr", "v_ptr", "q_hist_ptr", "k_hist_out_ptr", "g_ptr", "out_ptr")} == {
+            "*bf16"}
 
 
 def test_the_depth_mix_compiles_with_the_key_masks_of_both_call_sites(recorded, compiled):
