@@ -368,6 +368,31 @@ def test_fused_latent_keys_match_torch(batch, tokens):
     assert torch.equal(got.abs().sum(-1) > 0, want.abs().sum(-1) > 0)
 
 
+@pytest.mark.parametrize("heads,batch", [(96, 1), (96, 4), (12, 1), (12, 8)])
+def test_fused_kda_decode_step_matches_the_reference(heads, batch):
+    """The one-kernel KDA decode step (`fused_triton.kda_decode_step`) at the release's 128-wide heads, whole (96)
+    and as a TP8 rank (12), bf16, written in place: against the reference step (torch's convs, recurrence and gated
+    norm) and the six launches it replaces (the short conv kernels, fla's recurrent kernel, the gated norm kernel);
+    the histories exactly, output and state to bf16 rounding."""
+    from test_kda_decode_step import step_case
+
+    args = step_case(batch, heads, 128, device=DEVICE, seed=heads + batch)
+    histories, state = args[2], args[10]
+    unfused = kimi_k3_dispatch.resolve_ops(kimi_k3_dispatch.FastPaths(fused=True, kda=True),
+                                           modeling_kimi_k3.REFERENCE_OPS, skipped={"kda_decode_step"})
+    with torch.no_grad():
+        want, want_histories, want_state = modeling_kimi_k3.kda_decode_step(*args)
+        before, before_histories, before_state = unfused.kda_decode_step(*args)
+        out, new_histories, new_state = kimi_k3_dispatch.fused_kda_decode_step(*args, in_place=True)
+    assert all(a is b for a, b in zip([*new_histories, new_state], [*histories, state])), "not written in place"
+    assert all(torch.equal(a, b) for a, b in zip(new_histories, want_histories))
+    errs = {"reference": (max_rel(out, want), max_rel(new_state, want_state)),
+            "six launches": (max_rel(out, before), max_rel(new_state, before_state))}
+    print(f"fused KDA decode step {heads} heads, batch {batch}: (output, state) max diff of max |ref| {errs}")
+    for out_err, state_err in errs.values():
+        assert out_err <= 2 ** -6 and state_err <= 2 ** -7  # an ulp or two of bf16 q, k, v and output
+
+
 @pytest.mark.parametrize("length,with_state", [(1, True), (2, True), (300, False)])
 def test_fused_short_conv_matches_torch(length, with_state):
     """fused_triton's short convs (q, k, v of a real-width KDA layer) vs the model's torch code, bf16; the new
