@@ -248,11 +248,11 @@ if triton is not None:
         tl.store(buf_ptr + b * stride_bb + position * stride_bt + offs, tl.where(in_c, normed, row), mask=in_w)
 
     @triton.jit
-    def _sigmoid_gated_heads_kernel(attn_ptr, g_ptr, out_ptr, T, H, stride_ab, stride_ah, stride_at, D: tl.constexpr,
-                                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _sigmoid_gated_heads_kernel(attn_ptr, g_ptr, out_ptr, T, H, stride_ab, stride_ah, stride_at, stride_gb,
+                                    stride_gt, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         """One token's outputs of BLOCK_H heads, read from the attention's [B, heads, T, D] layout and written in
-        the token's row of [B, T, heads * D], times sigmoid(g) (in fp32, rounded to g's dtype, as torch.sigmoid
-        does), the product rounded."""
+        the token's row of [B, T, heads * D], times sigmoid(g) (g's rows `stride_gb` / `stride_gt` apart; in fp32,
+        rounded to g's dtype, as torch.sigmoid does), the product rounded."""
         n = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -260,7 +260,8 @@ if triton is not None:
         a = tl.load(attn_ptr + (n // T) * stride_ab + (n % T) * stride_at + offs_h[:, None] * stride_ah
                     + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         row = (n * H + offs_h[:, None]) * D + offs_d[None, :]
-        g = tl.load(g_ptr + row, mask=mask, other=0.0)
+        g = tl.load(g_ptr + (n // T) * stride_gb + (n % T) * stride_gt + offs_h[:, None] * D + offs_d[None, :],
+                    mask=mask, other=0.0)
         gate = tl.sigmoid(g.to(tl.float32)).to(g.dtype).to(tl.float32)
         tl.store(out_ptr + row, (a * gate).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -555,19 +556,21 @@ def latent_keys(kv, weight, eps, latent_width, buffer, positions):
 
 def sigmoid_gated_heads(attn, gate):
     """MLA's gated output: the heads' outputs `attn` [B, heads, T, D] (any strides) as [B, T, heads * D] times
-    sigmoid(`gate`) [B, T, heads * D], in attn's dtype with the torch code's roundings (torch: the transposing copy,
-    the sigmoid and the product, 3 kernels; here 1)."""
+    sigmoid(`gate`) [B, T, heads * D] (its rows may lie apart: a slice of a wider projection's output), in attn's
+    dtype with the torch code's roundings (torch: the transposing copy, the sigmoid and the product, 3 kernels; here
+    1)."""
     batch, heads, length, width = attn.shape
     if attn.stride(-1) != 1:
         attn = attn.contiguous()
-    gate = gate.contiguous()
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
     out = torch.empty(batch, length, heads * width, dtype=attn.dtype, device=attn.device)
     block_d = triton.next_power_of_2(width)
     block_h = max(1, min(triton.next_power_of_2(heads), 2048 // block_d))
     if batch * length:
         _sigmoid_gated_heads_kernel[(batch * length, triton.cdiv(heads, block_h))](
-            attn, gate, out, length, heads, attn.stride(0), attn.stride(1), attn.stride(2), D=width, BLOCK_H=block_h,
-            BLOCK_D=block_d, num_warps=4)
+            attn, gate, out, length, heads, attn.stride(0), attn.stride(1), attn.stride(2), gate.stride(0),
+            gate.stride(1), D=width, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return out
 
 

@@ -58,6 +58,7 @@ class FastPaths:
     fused: bool = False
     side_streams: bool = False
     cuda_graphs: bool = False
+    merged_projections: bool = False
 
     def __str__(self):
         return ", ".join(f"{f.name}={'on' if getattr(self, f.name) else 'off'}" for f in dataclasses.fields(self))
@@ -153,7 +154,16 @@ def _device_unsupported(path, device):
         return None if fused_supported(device) else "needs triton and a CUDA device (or Triton's CPU interpreter)"
     if path in ("kda", "kda_prefill"):
         return None if fla_supported(device) else "needs fla-core and a CUDA device"
+    if path == "merged_projections":
+        return None
     return None if device.type == "cuda" else "needs a CUDA device"
+
+
+def _taken_by_auto(path, device):
+    """Whether "auto" takes a path that can run on `device`: every path, but the merged projections on CUDA only,
+    where one matmul instead of several pays (a decode step is bound by its launches); on the CPU the separate
+    matmuls stay, the reference that tests compare with (an fp32 matmul of several rows may round differently)."""
+    return path != "merged_projections" or device.type == "cuda"
 
 
 def requested_with_environment(requested):
@@ -166,15 +176,15 @@ def requested_with_environment(requested):
 
 
 def resolve_fast_paths(requested, device):
-    """The `FastPaths` for tensors on `device`: "auto" takes a path where it can run there, "on" requires it (an
-    error naming the path and why not), "off" takes the reference."""
+    """The `FastPaths` for tensors on `device`: "auto" takes a path where it can run there (`_taken_by_auto`), "on"
+    requires it (an error naming the path and why not), "off" takes the reference."""
     device = torch.device(device)
     chosen = {}
     for path, choice in requested_with_environment(requested).items():
         why = _device_unsupported(path, device) if choice != "off" else None
         if choice == "on" and why:
             raise ValueError(f"fast_paths[{path!r}] is 'on', but it {why} (tensors on {device})")
-        chosen[path] = choice != "off" and why is None
+        chosen[path] = why is None and (choice == "on" or choice == "auto" and _taken_by_auto(path, device))
     return FastPaths(**chosen)
 
 

@@ -87,8 +87,84 @@ class KimiK3RMSNorm(nn.Module):
         return x.mul_(self.weight.float()).to(hidden_states.dtype)
 
 
-class KimiK3MLP(nn.Module):
+class MergedProjections(nn.Module):
+    """A block whose linear layers named in `merged` read the same input. `merge_projections` lays their weights out
+    as consecutive row blocks of one buffer [sum of out_features, in_features], each parameter a view of its rows
+    (the same names, `state_dict` and checkpoints, no extra memory), and `merged_outputs` then runs them as one
+    matmul split into their outputs: one launch instead of one a projection, each output row the same dot products.
+
+    The buffer serves while every weight is still a view of its rows: weights replaced since (tensor parallel's
+    `shard`, `load_state_dict(assign=True)`, accelerate's offload hooks) take the projections one by one again, and
+    `.to()` / `.cuda()`, which move or cast each parameter on its own, merge them again."""
+
+    merged = ()
+    _merged_weight = None  # the buffer, a plain attribute: not a parameter, so not in `state_dict`
+    _merged_rows = ()
+
+    def merge_projections(self):
+        """Merge the `merged` projections' weights into one buffer on their device, in their dtype; nothing where
+        they cannot share one (meta or offloaded weights, different devices or dtypes)."""
+        linears = [getattr(self, name) for name in self.merged]
+        weights = [linear.weight for linear in linears]
+        if (any(w.is_meta for w in weights) or len({(w.device, w.dtype) for w in weights}) > 1
+                or any(hasattr(linear, "_hf_hook") for linear in linears)):
+            self._merged_weight = None
+            return
+        rows = tuple(w.shape[0] for w in weights)
+        merged = torch.cat([w.detach() for w in weights])
+        for linear, w, view in zip(linears, weights, merged.split(rows)):
+            linear.weight = nn.Parameter(view, requires_grad=w.requires_grad)
+        self._merged_weight, self._merged_rows = merged, rows
+
+    def merged_weight(self):
+        """The merged buffer while every `merged` weight is still a view of its rows; else None (and a buffer whose
+        views were replaced is let go)."""
+        merged = self._merged_weight
+        if merged is None:
+            return None
+        start, row_bytes = merged.data_ptr(), merged.stride(0) * merged.element_size()
+        for name, rows in zip(self.merged, self._merged_rows):
+            w = getattr(self, name).weight
+            if w.data_ptr() != start or w.device != merged.device or w.shape != (rows, merged.shape[1]):
+                self._merged_weight = None
+                return None
+            start += rows * row_bytes
+        return merged
+
+    def merged_outputs(self, x, ops):
+        """The `merged` projections' outputs for x from one matmul over their merged weight; None where that path is
+        off (`FastPaths.merged_projections`: by default on CUDA only, and never while autograd records, whose
+        gradients reach the parameters through their own forwards), where a hook waits on a projection's own
+        forward, or where the weights are not merged."""
+        if not ops.paths.merged_projections:
+            return None
+        linears = [getattr(self, name) for name in self.merged]
+        hooked = any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in linears)
+        weight = None if hooked else self.merged_weight()
+        return None if weight is None else F.linear(x, weight).split(self._merged_rows, dim=-1)
+
+    def _apply(self, fn, *args, **kwargs):
+        """`.to()` / `.cuda()` move or cast each projection on its own: merged ones are merged again after."""
+        was_merged = self._merged_weight is not None
+        super()._apply(fn, *args, **kwargs)
+        if was_merged and self.merged_weight() is None:
+            self.merge_projections()
+        return self
+
+
+def merge_block_projections(module):
+    """`merge_projections` of every block in `module` (a model or a layer): what a load does once the weights are
+    read (and sharded). Returns `module`."""
+    for block in module.modules():
+        if isinstance(block, MergedProjections):
+            block.merge_projections()
+    return module
+
+
+class KimiK3MLP(MergedProjections):
     """SiTU-GLU MLP: the dense layer-0 MLP and the shared experts."""
+
+    merged = ("gate_proj", "up_proj")
 
     def __init__(self, config, intermediate_size, dispatch=None):
         super().__init__()
@@ -100,7 +176,8 @@ class KimiK3MLP(nn.Module):
 
     def forward(self, x):
         ops = self.dispatch.ops(x.device, self.down_proj.weight.is_meta)
-        return self.down_proj(ops.situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        gate, up = self.merged_outputs(x, ops) or (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(ops.situ_glu(gate, up, self.beta, self.linear_beta))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,8 +365,10 @@ class KimiK3ShortConv(nn.Conv1d):
         return short_conv(x, self.weight, state)
 
 
-class KimiK3DeltaAttention(nn.Module):
+class KimiK3DeltaAttention(MergedProjections):
     """KDA layer: short convs on q/k/v, lower-bounded per-channel decay, delta rule, gated per-head RMSNorm output."""
+
+    merged = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
 
     def __init__(self, config, layer_idx, dispatch=None):
         super().__init__()
@@ -322,6 +401,10 @@ class KimiK3DeltaAttention(nn.Module):
         if attention_mask is not None:
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)  # padding leaves state and conv history at 0
         ops = self.dispatch.ops(x.device, self.o_norm.weight.is_meta)
+        merged = self.merged_outputs(x, ops)
+        if merged is not None:  # every projection of x in one matmul: nothing left to run beside it
+            q, k, v, g, f_a, b = merged
+            return self.delta_rule(x, (q, k, v), self.gates(f_a, b, g), self.cache_layer(cache), ops)
         if ops.paths.side_streams:
             return kda_side_by_side(self, x, cache, ops)
         own = self.cache_layer(cache)
@@ -335,8 +418,12 @@ class KimiK3DeltaAttention(nn.Module):
     def gate_inputs(self, x):
         """What the delta rule's gates are made of: the decay's low-rank input [B, T, heads, dim], beta's input
         [B, T, heads] and the output gate's logits [B, T, heads, dim] (its sigmoid is taken in `gated_rms_norm`)."""
-        heads = (*x.shape[:2], self.num_heads, self.head_dim)
-        return self.f_b_proj(self.f_a_proj(x)).view(heads), self.b_proj(x), self.g_proj(x).view(heads)
+        return self.gates(self.f_a_proj(x), self.b_proj(x), self.g_proj(x))
+
+    def gates(self, f_a, b, g):
+        """`gate_inputs` from the outputs of x's projections f_a_proj, b_proj and g_proj."""
+        heads = (*g.shape[:2], self.num_heads, self.head_dim)
+        return self.f_b_proj(f_a).view(heads), b, g.view(heads)
 
     def qkv(self, x):
         """q, k, v projected, [B, T, heads * dim] each, before their short convs (which `delta_rule` runs)."""
@@ -451,7 +538,7 @@ def latent_attention(q_latent, q_rope, latent, positions, key_mask, scale):
     return (probs.flatten(1, 2) @ c).view(batch, heads, queries, -1)
 
 
-class KimiK3MLAttention(nn.Module):
+class KimiK3MLAttention(MergedProjections):
     """Multi-head latent attention without rotary embeddings, with a sigmoid output gate.
 
     Only the compressed latent `[kv_a_layernorm(c), k_r]` (kv_lora_rank + qk_rope_head_dim values a token) is cached;
@@ -481,6 +568,7 @@ class KimiK3MLAttention(nn.Module):
         if self.use_output_gate:
             self.g_proj = nn.Linear(hidden, self.num_heads * self.v_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
+        self.merged = ("q_a_proj", "kv_a_proj_with_mqa", "g_proj")[: 3 if self.use_output_gate else 2]
 
     def forward(self, x, attention_mask=None, cache=None, positions=None):
         """x: [B, T, H]; attention_mask: [B, keys] over all cached and new tokens (0 = padding), or None;
@@ -488,25 +576,31 @@ class KimiK3MLAttention(nn.Module):
         if positions is None:
             positions = next_positions(cache, x.shape[1], x.device)
         ops = self.dispatch.ops(x.device, self.kv_b_proj.weight.is_meta)
+        merged = self.merged_outputs(x, ops)
         if ops.paths.side_streams:
-            return mla_side_by_side(self, x, attention_mask, cache, positions, ops)
-        queries = self.queries(x)
-        return self.attend(queries, self.keys(x, cache, positions), attention_mask, positions, ops)
+            return mla_side_by_side(self, x, attention_mask, cache, positions, ops, merged)
+        queries = self.queries(x, merged)
+        return self.attend(queries, self.keys(x, cache, positions, merged), attention_mask, positions, ops)
 
-    def queries(self, x):
+    def queries(self, x, merged=None):
         """The per-head queries [B, heads, T, nope + rope] and the output gate's logits [B, T, heads * v] (None
-        without one; its sigmoid is taken in `gated_output`)."""
+        without one; its sigmoid is taken in `gated_output`). `merged`: the projections' outputs from
+        `merged_outputs`, where it ran."""
         batch, length, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_a = self.q_a_proj(x) if merged is None else merged[0]
+        q = self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
-        return q, self.g_proj(x) if self.use_output_gate else None
+        if not self.use_output_gate:
+            return q, None
+        return q, self.g_proj(x) if merged is None else merged[2]
 
-    def keys(self, x, cache, positions):
+    def keys(self, x, cache, positions, merged=None):
         """The compressed latent `[kv_a_layernorm(c), k_r]` of these tokens, written to the cache; returns every
-        key these queries may see [B, keys, kv_lora_rank + rope] and whether to attend in the latent space."""
+        key these queries may see [B, keys, kv_lora_rank + rope] and whether to attend in the latent space.
+        `merged`: the projections' outputs from `merged_outputs`, where it ran."""
         length = x.shape[1]
         ops = self.dispatch.ops(x.device, self.kv_b_proj.weight.is_meta)
-        kv = self.kv_a_proj_with_mqa(x)
+        kv = self.kv_a_proj_with_mqa(x) if merged is None else merged[1]
         layer = None if cache is None else cache.layers[self.layer_idx]
         buffer = None if layer is None else layer.buffer_for(kv)
         if buffer is not None:  # a static cache's, written in place
@@ -1085,6 +1179,10 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             if isinstance(module, KimiK3LatentMoE):
                 module.stack_experts()
 
+    def merge_projections(self):
+        """Give each block's projections of one input one weight buffer (`MergedProjections`): done at load."""
+        merge_block_projections(self)
+
     @property
     def dispatch(self):
         """The model's `FastPathDispatch`, which every block shares."""
@@ -1113,6 +1211,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = load_model(cls, pretrained_model_name_or_path, args, kwargs, fast_paths)
         model.stack_experts()
+        model.merge_projections()  # after accelerate's offload (if any), whose blocks keep theirs apart
         check_loaded_scales(model, pretrained_model_name_or_path)
         for device in {p.device for p in model.parameters()} - {torch.device("meta")}:
             model.dispatch.resolved(device)  # resolve (and log) the fast paths once per device

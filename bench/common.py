@@ -19,7 +19,7 @@ import torch
 import kda
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3_dispatch import use_fast_paths
-from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, KimiK3DeltaAttention
+from modeling_kimi_k3 import KimiK3Cache, KimiK3DecoderLayer, KimiK3DeltaAttention, merge_block_projections
 from reap_tools.tiny import random_model, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,8 +191,8 @@ def fill_experts(moe):
 
 
 def build_layer(text, index, seed):
-    """Decoder layer `index` at the config's widths on `DEVICE`, bf16, random weights, experts stacked (the dense
-    layer 0 the same way without the MoE parts)."""
+    """Decoder layer `index` at the config's widths on `DEVICE`, bf16, random weights, experts stacked and
+    projections merged as a load leaves them (the dense layer 0 the same way without the MoE parts)."""
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -211,7 +211,7 @@ def build_layer(text, index, seed):
             proj.weight.normal_(0.0, 0.02)
         if moe is not None:
             fill_experts(moe)
-    return layer
+    return merge_block_projections(layer)
 
 
 def decode_cache(text, layer, batch, seed, context):
@@ -265,7 +265,8 @@ class RouteRecorder:
 
 
 def small_model(device="cuda"):
-    """A small random bf16 model at the release's KDA head shape (96 x 128), sharp logits, no EOS."""
+    """A small random bf16 model at the release's KDA head shape (96 x 128), sharp logits, no EOS, its projections
+    merged as a load leaves them."""
     config = tiny_config(packed=True, hidden_size=128, routed_expert_hidden_size=256, moe_intermediate_size=128,
                          num_experts=16, num_experts_per_token=4,
                          linear_attn_config=dict(num_heads=96, head_dim=128, full_attn_layers=[3, 6],
@@ -275,10 +276,11 @@ def small_model(device="cuda"):
         model.language_model.lm_head.weight.mul_(30.0)  # sharper logits: fewer near-ties for greedy to flip on
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = model.config.pad_token_id
-    return model.to(device, torch.bfloat16)
+    return merge_block_projections(model.to(device, torch.bfloat16))
 
 
-REFERENCE = dict.fromkeys(("experts", "kda", "kda_prefill", "fused", "side_streams", "cuda_graphs"), "off")
+REFERENCE = dict.fromkeys(("experts", "kda", "kda_prefill", "fused", "side_streams", "cuda_graphs",
+                           "merged_projections"), "off")
 
 
 def teacher_forced(model, prompt, generated):

@@ -132,8 +132,9 @@ def stage_labels(model):
 
 def count_step(model, batch, trace=False):
     """{stage label: {"kernels", "gemms", "triton", "all_reduces", "host_reads", "ops"}} for one decode step at
-    `batch` rows on the fake GPU, after a first step (the cache's lazily made buffers are made there)."""
-    to_fake_gpu(model)
+    `batch` rows on the fake GPU, after a first step (the cache's lazily made buffers are made there), the blocks'
+    projections merged there as a load merges them."""
+    to_fake_gpu(model).merge_projections()
     counter, reduces = KernelCounter(), collections.Counter()
     counter.trace = [] if trace else None
 

@@ -55,7 +55,7 @@ from bench.common import (CARD, RouteRecorder, build_layer, copy_bandwidth, deco
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3_dispatch import resolve_fast_paths, use_fast_paths
 from modeling_kimi_k3 import (KimiK3DeltaAttention, KimiK3ForCausalLM, KimiK3LanguageModel, KimiK3LatentMoE,
-                              KimiK3StaticCache)
+                              KimiK3StaticCache, merge_block_projections)
 from tensor_parallel import TensorParallel, check_tp_size, shard
 
 TP = 8
@@ -210,12 +210,13 @@ def build_head(config, seed):
 
 
 def shard_rank0(module):
-    """Shard `module` in place for rank 0 of TP, then restack each MoE block's experts (its 40 now; the loader does
-    the same after reading a shard)."""
+    """Shard `module` in place for rank 0 of TP, then restack each MoE block's experts (its 40 now) and merge each
+    block's projections again (its slices), as the loader does after reading a shard."""
     shard(module, TensorParallel(rank=0, size=TP))
     for m in module.modules():
         if isinstance(m, KimiK3LatentMoE):
             m.stack_experts()
+    merge_block_projections(module)
 
 
 def time_step(fn, reset, reps):

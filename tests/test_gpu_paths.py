@@ -752,7 +752,8 @@ def test_each_fast_path_switches_off_through_the_config_of_a_remote_code_model(t
 
     resolved, taken = run({})
     print(f"remote-code model, defaults: {resolved}; calls {taken}")
-    assert resolved == "experts=on, kda=on, kda_prefill=on, fused=on, side_streams=on, cuda_graphs=on"
+    assert resolved == ("experts=on, kda=on, kda_prefill=on, fused=on, side_streams=on, cuda_graphs=on, "
+                        "merged_projections=on")
     assert all(taken.values()), taken
     for path in taken:
         resolved, off = run({path: "off"})
