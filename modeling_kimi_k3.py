@@ -87,6 +87,13 @@ class KimiK3RMSNorm(nn.Module):
         return x.mul_(self.weight.float()).to(hidden_states.dtype)
 
 
+def offloaded_by_hook(module):
+    """Whether accelerate's hook on `module` loads its weights for its own forward (offload), which a merged matmul
+    would bypass; its hooks on the blocks of a model spread over devices only move their inputs."""
+    hook = getattr(module, "_hf_hook", None)
+    return hook is not None and getattr(hook, "offload", True)
+
+
 class MergedProjections(nn.Module):
     """A block whose linear layers named in `merged` read the same input. `merge_projections` lays their weights out
     as consecutive row blocks of one buffer [sum of out_features, in_features], each parameter a view of its rows
@@ -107,7 +114,7 @@ class MergedProjections(nn.Module):
         linears = [getattr(self, name) for name in self.merged]
         weights = [linear.weight for linear in linears]
         if (any(w.is_meta for w in weights) or len({(w.device, w.dtype) for w in weights}) > 1
-                or any(hasattr(linear, "_hf_hook") for linear in linears)):
+                or any(map(offloaded_by_hook, linears))):
             self._merged_weight = None
             return
         rows = tuple(w.shape[0] for w in weights)
@@ -139,7 +146,7 @@ class MergedProjections(nn.Module):
         if not ops.paths.merged_projections:
             return None
         linears = [getattr(self, name) for name in self.merged]
-        hooked = any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in linears)
+        hooked = any(m._forward_hooks or m._forward_pre_hooks or offloaded_by_hook(m) for m in linears)
         weight = None if hooked else self.merged_weight()
         return None if weight is None else F.linear(x, weight).split(self._merged_rows, dim=-1)
 

@@ -164,6 +164,28 @@ def test_state_dict_and_save_pretrained_are_unchanged(tmp_path):
         assert_same_bytes(tensor, state[name], name)
 
 
+def test_blocks_offloaded_by_accelerate_keep_their_projections_apart(tmp_path):
+    """Under a device map with disk offload the offloaded blocks' weights are loaded by accelerate's hooks at each
+    call: they are not merged (no buffer holds them in memory) and run their projections one by one; the resident
+    blocks merge. The logits are the plain load's."""
+    source = write_checkpoint(str(tmp_path / "tiny"), packed=True, seed=2)
+    reference = KimiK3ForCausalLM.from_pretrained(source, dtype=torch.float32)
+    offloaded = KimiK3ForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="auto",
+                                                  max_memory={"cpu": "600KB"}, offload_folder=str(tmp_path / "off"))
+    assert {"cpu", "disk"} <= set(offloaded.hf_device_map.values())
+    merged = [b.merged_weight() is not None for b in blocks(offloaded)]
+    assert any(merged) and not all(merged)
+    with use_fast_paths(offloaded, merged_projections="on"), torch.no_grad():
+        ops = offloaded.dispatch.ops(torch.device("cpu"))
+        for block, is_merged in zip(blocks(offloaded), merged):
+            assert is_merged != any(getattr(block, name).weight.is_meta for name in block.merged)
+            if is_merged:  # the resident blocks' hooks only move inputs: the merged matmul runs
+                x = torch.randn(1, 1, block.merged_weight().shape[1])
+                assert block.merged_outputs(x, ops) is not None
+    torch.testing.assert_close(run(offloaded, True, PROMPT).logits, run(reference, False, PROMPT).logits,
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_to_a_dtype_merges_again():
     """`.to(dtype)` casts each parameter on its own; the blocks merge the cast weights again (the fp32 buffers let
     go), and the merged path gives the cast separate model's decode step bit for bit."""
