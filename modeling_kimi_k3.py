@@ -110,7 +110,10 @@ class MergedProjections(nn.Module):
 
     def merge_projections(self):
         """Merge the `merged` projections' weights into one buffer on their device, in their dtype; nothing where
-        they cannot share one (meta or offloaded weights, different devices or dtypes)."""
+        they cannot share one (meta or offloaded weights, different devices or dtypes), and no copy where they do
+        already."""
+        if self.merged_weight() is not None:
+            return
         linears = [getattr(self, name) for name in self.merged]
         weights = [linear.weight for linear in linears]
         if (any(w.is_meta for w in weights) or len({(w.device, w.dtype) for w in weights}) > 1

@@ -146,6 +146,9 @@ def test_state_dict_and_save_pretrained_are_unchanged(tmp_path):
     loaded = KimiK3ForCausalLM.from_pretrained(source, dtype=torch.float32)
     for block in blocks(loaded):
         assert_views_of_the_buffer(block)
+    buffers = [block.merged_weight() for block in blocks(loaded)]
+    loaded.merge_projections()  # merged already: no copy
+    assert all(block.merged_weight() is buffer for block, buffer in zip(blocks(loaded), buffers))
     separate = copy.deepcopy(loaded)
     for block in blocks(separate):
         assert block.merged_weight() is None  # deepcopy copies each parameter on its own
