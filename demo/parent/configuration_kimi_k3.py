@@ -40,6 +40,8 @@ FAST_PATH_DEFAULTS = {
     "fused": "auto",  # Triton kernels for the depth mixes, short convs, router top-k and pair sum + norm
     "side_streams": "auto",  # a second CUDA stream for work of a block the main path does not wait on
     "cuda_graphs": "auto",  # one-token steps with a static cache replayed from a CUDA graph
+    # one matmul for the projections that read the same input, over their weights merged at load (the CPU: "on" only)
+    "merged_projections": "auto",
 }
 
 

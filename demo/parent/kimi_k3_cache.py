@@ -121,6 +121,12 @@ class KimiK3DeltaCacheLayer(KimiK3CacheLayer):
         """How many of a call's `length` tokens to record: the last ones, up to the window (0 when not recording)."""
         return min(length, self.rollback_window)
 
+    def decode_step(self, length):
+        """Whether a call of `length` tokens is a decode step, which the KDA block may run as one kernel: one token
+        onto the states held here, nothing recorded (recording keeps the convolved inputs and the state before the
+        token, which a kernel writing the states over in place does not give)."""
+        return length == 1 and self.recurrent_state is not None and not self.recorded(length)
+
     def stage_conv(self, projected, kernel):
         """Before the short convs run: the conv inputs of this call's recorded tokens with the kernel - 1 before
         them ([B, D, kernel - 1 + kept] per q, k, v), from `projected` [B, T, D] and the conv histories."""
@@ -205,6 +211,11 @@ class KimiK3LatentCacheLayer(KimiK3CacheLayer):
         buffer[:, cached:total] = latent
         self.latent = buffer[:, :total]
         return self.latent
+
+    def buffer_for(self, latent):
+        """The buffer the new tokens' latents are to be written into in place at their positions (a static cache's),
+        or None: they go through `update`."""
+        return None
 
     def crop(self, tokens):
         """Forget the last `tokens` latents (the buffer keeps its room: the next update writes over them)."""
@@ -351,9 +362,13 @@ class KimiK3StaticLatentCacheLayer(KimiK3StaticCacheLayer, KimiK3LatentCacheLaye
     def update(self, latent, positions):
         """Write the new latents at their positions; returns the whole [B, max_length, width] buffer (the unused
         tail is masked as future keys)."""
+        return self.buffer_for(latent).index_copy_(1, positions, latent)
+
+    def buffer_for(self, latent):
+        """The [B, max_length, width] buffer (made by the first call, zeroed), written in place."""
         if self.latent is None:
             self.latent = latent.new_zeros(self.rows, self.max_length, latent.shape[-1])
-        return self.latent.index_copy_(1, positions, latent)
+        return self.latent
 
     def crop(self, tokens):
         """Nothing to drop: slots past the cache's token count are future keys, masked, and written over next."""

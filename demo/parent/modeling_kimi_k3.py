@@ -87,8 +87,94 @@ class KimiK3RMSNorm(nn.Module):
         return x.mul_(self.weight.float()).to(hidden_states.dtype)
 
 
-class KimiK3MLP(nn.Module):
+def offloaded_by_hook(module):
+    """Whether accelerate's hook on `module` loads its weights for its own forward (offload), which a merged matmul
+    would bypass; its hooks on the blocks of a model spread over devices only move their inputs."""
+    hook = getattr(module, "_hf_hook", None)
+    return hook is not None and getattr(hook, "offload", True)
+
+
+class MergedProjections(nn.Module):
+    """A block whose linear layers named in `merged` read the same input. `merge_projections` lays their weights out
+    as consecutive row blocks of one buffer [sum of out_features, in_features], each parameter a view of its rows
+    (the same names, `state_dict` and checkpoints, no extra memory), and `merged_outputs` then runs them as one
+    matmul split into their outputs: one launch instead of one a projection, each output row the same dot products.
+
+    The buffer serves while every weight is still a view of its rows: weights replaced since (tensor parallel's
+    `shard`, `load_state_dict(assign=True)`, accelerate's offload hooks) take the projections one by one again, and
+    `.to()` / `.cuda()`, which move or cast each parameter on its own, merge them again."""
+
+    merged = ()
+    _merged_weight = None  # the buffer, a plain attribute: not a parameter, so not in `state_dict`
+    _merged_rows = ()
+
+    def merge_projections(self):
+        """Merge the `merged` projections' weights into one buffer on their device, in their dtype; nothing where
+        they cannot share one (meta or offloaded weights, different devices or dtypes), and no copy where they do
+        already."""
+        if self.merged_weight() is not None:
+            return
+        linears = [getattr(self, name) for name in self.merged]
+        weights = [linear.weight for linear in linears]
+        if (any(w.is_meta for w in weights) or len({(w.device, w.dtype) for w in weights}) > 1
+                or any(map(offloaded_by_hook, linears))):
+            self._merged_weight = None
+            return
+        rows = tuple(w.shape[0] for w in weights)
+        merged = torch.cat([w.detach() for w in weights])
+        for linear, w, view in zip(linears, weights, merged.split(rows)):
+            linear.weight = nn.Parameter(view, requires_grad=w.requires_grad)
+        self._merged_weight, self._merged_rows = merged, rows
+
+    def merged_weight(self):
+        """The merged buffer while every `merged` weight is still a view of its rows; else None (and a buffer whose
+        views were replaced is let go)."""
+        merged = self._merged_weight
+        if merged is None:
+            return None
+        start, row_bytes = merged.data_ptr(), merged.stride(0) * merged.element_size()
+        for name, rows in zip(self.merged, self._merged_rows):
+            w = getattr(self, name).weight
+            if w.data_ptr() != start or w.device != merged.device or w.shape != (rows, merged.shape[1]):
+                self._merged_weight = None
+                return None
+            start += rows * row_bytes
+        return merged
+
+    def merged_outputs(self, x, ops):
+        """The `merged` projections' outputs for x from one matmul over their merged weight; None where that path is
+        off (`FastPaths.merged_projections`: by default on CUDA only, and never while autograd records, whose
+        gradients reach the parameters through their own forwards), where a hook waits on a projection's own
+        forward, or where the weights are not merged."""
+        if not ops.paths.merged_projections:
+            return None
+        linears = [getattr(self, name) for name in self.merged]
+        hooked = any(m._forward_hooks or m._forward_pre_hooks or offloaded_by_hook(m) for m in linears)
+        weight = None if hooked else self.merged_weight()
+        return None if weight is None else F.linear(x, weight).split(self._merged_rows, dim=-1)
+
+    def _apply(self, fn, *args, **kwargs):
+        """`.to()` / `.cuda()` move or cast each projection on its own: merged ones are merged again after."""
+        was_merged = self._merged_weight is not None
+        super()._apply(fn, *args, **kwargs)
+        if was_merged and self.merged_weight() is None:
+            self.merge_projections()
+        return self
+
+
+def merge_block_projections(module):
+    """`merge_projections` of every block in `module` (a model or a layer): what a load does once the weights are
+    read (and sharded). Returns `module`."""
+    for block in module.modules():
+        if isinstance(block, MergedProjections):
+            block.merge_projections()
+    return module
+
+
+class KimiK3MLP(MergedProjections):
     """SiTU-GLU MLP: the dense layer-0 MLP and the shared experts."""
+
+    merged = ("gate_proj", "up_proj")
 
     def __init__(self, config, intermediate_size, dispatch=None):
         super().__init__()
@@ -100,7 +186,8 @@ class KimiK3MLP(nn.Module):
 
     def forward(self, x):
         ops = self.dispatch.ops(x.device, self.down_proj.weight.is_meta)
-        return self.down_proj(ops.situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        gate, up = self.merged_outputs(x, ops) or (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(ops.situ_glu(gate, up, self.beta, self.linear_beta))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,6 +345,25 @@ def gated_rms_norm(o, gate_logits, norm, dtype):
     return norm(o.to(dtype)) * torch.sigmoid(gate_logits)
 
 
+def kda_decode_step(projected, convs, conv_states, g_raw, beta_raw, gate_logits, A_log, dt_bias, lower_bound, scale,
+                    state, norm, dtype, in_place=False, parts=None):
+    """One token of a KDA layer after its projections, onto a cache's states: q, k, v (`projected`, [B, 1, heads *
+    D] each) through their short convs `convs` from the histories `conv_states`, the delta rule (`kda_forward`:
+    gate, beta, L2 norms) from the fp32 recurrent `state` [B, heads, D, D] with `g_raw`, `gate_logits` [B, 1,
+    heads, D] and `beta_raw` [B, 1, heads], then `gated_rms_norm` (`norm`) in `dtype`. Returns (the output [B, 1,
+    heads, D], the new conv histories, the new state); `in_place` lets a kernel write the new states over the given
+    ones (a static cache's buffers).
+
+    Made of the `short_convs`, `delta_rule` and `gated_rms_norm` of `parts` (an `Ops` table, the references where
+    None): a table without a kernel for the whole step runs it as its own kernels for the three."""
+    parts = parts or REFERENCE_OPS
+    (q, k, v), conv_states = parts.short_convs(projected, convs, conv_states, in_place)
+    heads = g_raw.shape
+    o, state = parts.delta_rule(q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw, A_log, dt_bias,
+                                lower_bound, scale, state, in_place=in_place)
+    return parts.gated_rms_norm(o, gate_logits, norm, dtype), conv_states, state
+
+
 class KimiK3ShortConv(nn.Conv1d):
     """Causal depthwise convolution + SiLU (`short_conv`); with a cache it carries the last `kernel - 1` inputs."""
 
@@ -269,8 +375,10 @@ class KimiK3ShortConv(nn.Conv1d):
         return short_conv(x, self.weight, state)
 
 
-class KimiK3DeltaAttention(nn.Module):
+class KimiK3DeltaAttention(MergedProjections):
     """KDA layer: short convs on q/k/v, lower-bounded per-channel decay, delta rule, gated per-head RMSNorm output."""
+
+    merged = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
 
     def __init__(self, config, layer_idx, dispatch=None):
         super().__init__()
@@ -303,11 +411,15 @@ class KimiK3DeltaAttention(nn.Module):
         if attention_mask is not None:
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)  # padding leaves state and conv history at 0
         ops = self.dispatch.ops(x.device, self.o_norm.weight.is_meta)
+        merged = self.merged_outputs(x, ops)
+        if merged is not None:  # every projection of x in one matmul: nothing left to run beside it
+            q, k, v, g, f_a, b = merged
+            return self.delta_rule(x, (q, k, v), self.gates(f_a, b, g), self.cache_layer(cache), ops)
         if ops.paths.side_streams:
             return kda_side_by_side(self, x, cache, ops)
         own = self.cache_layer(cache)
         gates = self.gate_inputs(x)
-        return self.delta_rule(x, self.qkv(x, own, ops), gates, own, ops)
+        return self.delta_rule(x, self.qkv(x), gates, own, ops)
 
     def cache_layer(self, cache):
         """This layer's share of `cache`; without one a scratch layer (zero state, dropped after the call)."""
@@ -316,31 +428,41 @@ class KimiK3DeltaAttention(nn.Module):
     def gate_inputs(self, x):
         """What the delta rule's gates are made of: the decay's low-rank input [B, T, heads, dim], beta's input
         [B, T, heads] and the output gate's logits [B, T, heads, dim] (its sigmoid is taken in `gated_rms_norm`)."""
-        heads = (*x.shape[:2], self.num_heads, self.head_dim)
-        return self.f_b_proj(self.f_a_proj(x)).view(heads), self.b_proj(x), self.g_proj(x).view(heads)
+        return self.gates(self.f_a_proj(x), self.b_proj(x), self.g_proj(x))
 
-    def qkv(self, x, own, ops):
-        """q, k, v projected and through their short convs (histories from the cache layer `own`); returns
-        ((q, k, v), the new conv histories). Where fla's chunked kernel takes them (in fp32, see kda.py), a conv
-        kernel may store them in fp32 (the same values), which spares a cast of each."""
-        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        if own.recorded(x.shape[1]):  # a cache that can roll back keeps the conv inputs (before a kernel
-            own.stage_conv(projected, self.q_conv1d.kernel_size[0])  # overwrites the histories in place)
-        fp32 = torch.float32 if ops.paths.kda_prefill and x.shape[1] > 1 else None
-        return ops.short_convs(projected, (self.q_conv1d, self.k_conv1d, self.v_conv1d), own.conv_states,
-                               own.in_place, fp32)
+    def gates(self, f_a, b, g):
+        """`gate_inputs` from the outputs of x's projections f_a_proj, b_proj and g_proj."""
+        heads = (*g.shape[:2], self.num_heads, self.head_dim)
+        return self.f_b_proj(f_a).view(heads), b, g.view(heads)
 
-    def delta_rule(self, x, qkv, gates, own, ops):
-        """The gated delta rule over the convolved q, k, v from `own`'s recurrent state (both states written back
-        to `own`), then the gated per-head RMSNorm and the output projection."""
-        (q, k, v), conv_states = qkv
+    def qkv(self, x):
+        """q, k, v projected, [B, T, heads * dim] each, before their short convs (which `delta_rule` runs)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def delta_rule(self, x, projected, gates, own, ops):
+        """q, k, v (`projected`) through their short convs and the gated delta rule from `own`'s states (both
+        written back to `own`), then the gated per-head RMSNorm and the output projection. A decode step is one
+        `kda_decode_step`; other calls run the three in turn, and a cache that can roll back records between them."""
         g_raw, beta_raw, gate_logits = gates
         batch, length, _ = x.shape
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        constants = (self.A_log[: self.num_heads], self.dt_bias, self.lower_bound, self.head_dim**-0.5)
+        if own.decode_step(length):
+            o, conv_states, state = ops.kda_decode_step(projected, convs, own.conv_states, g_raw, beta_raw,
+                                                        gate_logits, *constants, own.recurrent_state, self.o_norm,
+                                                        x.dtype, own.in_place)
+            own.update(conv_states, state)
+            return self.o_proj(o.reshape(batch, length, -1))
+        kept = own.recorded(length)  # a cache that can roll back keeps the conv inputs (before a kernel
+        if kept:  # overwrites the histories in place) and the state before the tokens it records
+            own.stage_conv(projected, self.q_conv1d.kernel_size[0])
+        # where fla's chunked kernel takes q, k, v (in fp32, see kda.py) a conv kernel may store them in fp32 (the
+        # same values), which spares a cast of each
+        fp32 = torch.float32 if ops.paths.kda_prefill and length > 1 else None
+        (q, k, v), conv_states = ops.short_convs(projected, convs, own.conv_states, own.in_place, fp32)
         heads = (batch, length, self.num_heads, self.head_dim)
         inputs = (q.view(heads), k.view(heads), v.view(heads), g_raw, beta_raw)
-        kept = own.recorded(length)  # a cache that can roll back: also the state before the tokens it records
-        o, state, *base = ops.delta_rule(*inputs, self.A_log[: self.num_heads], self.dt_bias, self.lower_bound,
-                                         self.head_dim**-0.5, own.recurrent_state, in_place=own.in_place,
+        o, state, *base = ops.delta_rule(*inputs, *constants, own.recurrent_state, in_place=own.in_place,
                                          **(dict(states_at=[length - kept]) if kept else {}))
         if kept:
             own.record(inputs, base[0][:, 0], self.replay(ops))
@@ -391,6 +513,15 @@ def mla_keys(kv, latent, heads, nope_dim, latent_width):
     return torch.cat([k_nope, k_r], dim=-1)
 
 
+def latent_keys(kv, norm, latent_width, buffer=None, positions=None):
+    """MLA's compressed latent `[norm(c), k_r]` [B, T, C + R] of the tokens' `kv_a_proj_with_mqa` output
+    `kv = [c, k_r]` (C = `latent_width`); with `buffer` (a static cache's [B, max_length, C + R]) it is written there
+    at `positions` [T] and the whole buffer is returned."""
+    c, k_r = kv.split([latent_width, kv.shape[-1] - latent_width], dim=-1)
+    latent = torch.cat([norm(c), k_r], dim=-1)
+    return latent if buffer is None else buffer.index_copy_(1, positions, latent)
+
+
 def sigmoid_gated_heads(attn, gate):
     """MLA's gated output: the heads' outputs `attn` [B, heads, T, D] as [B, T, heads * D] times sigmoid(`gate`)."""
     batch, _, length, _ = attn.shape
@@ -417,7 +548,7 @@ def latent_attention(q_latent, q_rope, latent, positions, key_mask, scale):
     return (probs.flatten(1, 2) @ c).view(batch, heads, queries, -1)
 
 
-class KimiK3MLAttention(nn.Module):
+class KimiK3MLAttention(MergedProjections):
     """Multi-head latent attention without rotary embeddings, with a sigmoid output gate.
 
     Only the compressed latent `[kv_a_layernorm(c), k_r]` (kv_lora_rank + qk_rope_head_dim values a token) is cached;
@@ -447,6 +578,7 @@ class KimiK3MLAttention(nn.Module):
         if self.use_output_gate:
             self.g_proj = nn.Linear(hidden, self.num_heads * self.v_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
+        self.merged = ("q_a_proj", "kv_a_proj_with_mqa", "g_proj")[: 3 if self.use_output_gate else 2]
 
     def forward(self, x, attention_mask=None, cache=None, positions=None):
         """x: [B, T, H]; attention_mask: [B, keys] over all cached and new tokens (0 = padding), or None;
@@ -454,27 +586,39 @@ class KimiK3MLAttention(nn.Module):
         if positions is None:
             positions = next_positions(cache, x.shape[1], x.device)
         ops = self.dispatch.ops(x.device, self.kv_b_proj.weight.is_meta)
+        merged = self.merged_outputs(x, ops)
         if ops.paths.side_streams:
-            return mla_side_by_side(self, x, attention_mask, cache, positions, ops)
-        queries = self.queries(x)
-        return self.attend(queries, self.keys(x, cache, positions), attention_mask, positions, ops)
+            return mla_side_by_side(self, x, attention_mask, cache, positions, ops, merged)
+        queries = self.queries(x, merged)
+        return self.attend(queries, self.keys(x, cache, positions, merged), attention_mask, positions, ops)
 
-    def queries(self, x):
+    def queries(self, x, merged=None):
         """The per-head queries [B, heads, T, nope + rope] and the output gate's logits [B, T, heads * v] (None
-        without one; its sigmoid is taken in `gated_output`)."""
+        without one; its sigmoid is taken in `gated_output`). `merged`: the projections' outputs from
+        `merged_outputs`, where it ran."""
         batch, length, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_a = self.q_a_proj(x) if merged is None else merged[0]
+        q = self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)
-        return q, self.g_proj(x) if self.use_output_gate else None
+        if not self.use_output_gate:
+            return q, None
+        return q, self.g_proj(x) if merged is None else merged[2]
 
-    def keys(self, x, cache, positions):
+    def keys(self, x, cache, positions, merged=None):
         """The compressed latent `[kv_a_layernorm(c), k_r]` of these tokens, written to the cache; returns every
-        key these queries may see [B, keys, kv_lora_rank + rope] and whether to attend in the latent space."""
+        key these queries may see [B, keys, kv_lora_rank + rope] and whether to attend in the latent space.
+        `merged`: the projections' outputs from `merged_outputs`, where it ran."""
         length = x.shape[1]
-        c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
-        if cache is not None:
-            latent = cache.layers[self.layer_idx].update(latent, positions)
+        ops = self.dispatch.ops(x.device, self.kv_b_proj.weight.is_meta)
+        kv = self.kv_a_proj_with_mqa(x) if merged is None else merged[1]
+        layer = None if cache is None else cache.layers[self.layer_idx]
+        buffer = None if layer is None else layer.buffer_for(kv)
+        if buffer is not None:  # a static cache's, written in place
+            latent = ops.latent_keys(kv, self.kv_a_layernorm, self.kv_lora_rank, buffer, positions)
+        else:
+            latent = latent_keys(kv, self.kv_a_layernorm, self.kv_lora_rank)
+            if layer is not None:
+                latent = layer.update(latent, positions)
         # Decode steps attend in the latent space; accelerate's offload hooks only load kv_b_proj's weight for its
         # own forward, so an offloaded (meta) weight takes the expanding path.
         absorb = (latent.shape[1] > length and length <= self.ABSORB_MAX_QUERIES
@@ -841,9 +985,9 @@ class KimiK3LatentMoE(nn.Module):
 # path is taken, and what each kernel is a drop-in for.
 REFERENCE_OPS = Ops(
     paths=FastPaths(), situ_glu=situ_glu, attn_res_mix=attn_res_mix, add_attn_res_mix=add_attn_res_mix,
-    short_convs=short_convs, delta_rule=kda_forward,
+    short_convs=short_convs, delta_rule=kda_forward, kda_decode_step=kda_decode_step,
     gated_rms_norm=gated_rms_norm, mla_keys=mla_keys, sigmoid_gated_heads=sigmoid_gated_heads,
-    latent_attention=latent_attention, router_logits=router_logits, router_topk=router_topk,
+    latent_keys=latent_keys, latent_attention=latent_attention, router_logits=router_logits, router_topk=router_topk,
     routed_experts=routed_experts, routed_expert_sum=routed_expert_sum, pair_sum_norm=pair_sum_norm,
 )
 
@@ -1045,6 +1189,10 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             if isinstance(module, KimiK3LatentMoE):
                 module.stack_experts()
 
+    def merge_projections(self):
+        """Give each block's projections of one input one weight buffer (`MergedProjections`): done at load."""
+        merge_block_projections(self)
+
     @property
     def dispatch(self):
         """The model's `FastPathDispatch`, which every block shares."""
@@ -1073,6 +1221,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = load_model(cls, pretrained_model_name_or_path, args, kwargs, fast_paths)
         model.stack_experts()
+        model.merge_projections()  # after accelerate's offload (if any), whose blocks keep theirs apart
         check_loaded_scales(model, pretrained_model_name_or_path)
         for device in {p.device for p in model.parameters()} - {torch.device("meta")}:
             model.dispatch.resolved(device)  # resolve (and log) the fast paths once per device

@@ -5,7 +5,8 @@ moving bytes. Each kernel here replaces one such chain with the same fp32 math:
 
   * `attn_res_mix`: the Block Attention Residuals depth mix `sum_j softmax_j(proj(norm(v_j))) v_j` over the block
     bank (stacked once a block, see the model's `BlockBank`) and the current partial sum, and the RMSNorm of the
-    sublayer that reads it (torch: a stack and ~13 kernels; here 1);
+    sublayer that reads it (torch: a stack and ~13 kernels; here 1), after attention also adding the attention's
+    output to the partial sum as it reads it;
   * `short_conv`: KDA's causal depthwise convolutions + SiLU of q, k and v with their conv histories (torch: ~15
     kernels with the concatenations and copies; here 1), writing a static cache's history buffers in place;
   * `router_topk`: the MoE router after its GEMM: sigmoid, the bias-corrected top-k, the chosen scores gathered,
@@ -14,9 +15,15 @@ moving bytes. Each kernel here replaces one such chain with the same fp32 math:
     and the RMSNorm after it (torch: 3 kernels; here 1);
   * `gated_rms_norm`: KDA's per-head output norm times its sigmoid gate (torch: a cast, the norm, the sigmoid and
     the product, 4 kernels; here 1; at a prompt, fla's fp32 output is read once instead of four passes);
+  * `kda_decode_step`: a whole KDA decode step after the projections, one program a (row, head): the short convs,
+    the gate, beta, L2 norms, the delta rule on the fp32 state (read once, written once, in place) and the gated
+    output norm (the three conv kernels, fla's zeroed output and recurrent kernel, and the gated norm: 6 launches;
+    here 1);
   * `mla_keys`, `sigmoid_gated_heads`: at an MLA prompt, the per-head keys SDPA reads (each head's k_nope beside
     the shared k_r: a copy at the copy bandwidth where torch's concatenation of an expanded k_r ran at a fifth of
     it) and the output gate applied while the heads' outputs are put back in token order (torch: 3 kernels);
+  * `latent_keys`: MLA's latent of the new tokens, its first part RMS-normed, written into a static cache's buffer
+    at their positions (torch: the norm, a concatenation and an index copy; here 1);
   * `latent_attention`: MLA's one-query attention in the latent space, split over the cached keys (flash
     decoding: each program an online softmax over its keys, one more kernel combining them), reading only the keys
     up to the query's position, which it takes from device memory, so a static cache's unfilled tail costs nothing
@@ -225,11 +232,27 @@ if triton is not None:
                  mask=h_mask & (offs_d < NOPE + ROPE)[None, :])
 
     @triton.jit
-    def _sigmoid_gated_heads_kernel(attn_ptr, g_ptr, out_ptr, T, H, stride_ab, stride_ah, stride_at, D: tl.constexpr,
-                                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _latent_keys_kernel(kv_ptr, w_ptr, buf_ptr, pos_ptr, stride_kb, stride_kt, stride_bb, stride_bt, eps,
+                            C: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per (row, token): the token's kv_a output [c, k_r] (W values) with c RMS-normed (fp32, weight
+        w, rounded to the input dtype), written to the row's buffer at the token's position."""
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        in_c, in_w = offs < C, offs < W
+        row = tl.load(kv_ptr + b * stride_kb + t * stride_kt + offs, mask=in_w, other=0.0)
+        x = tl.where(in_c, row.to(tl.float32), 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / C + eps)
+        normed = (x * rstd * tl.load(w_ptr + offs, mask=in_c, other=0.0).to(tl.float32)).to(row.dtype)
+        position = tl.load(pos_ptr + t).to(tl.int64)
+        tl.store(buf_ptr + b * stride_bb + position * stride_bt + offs, tl.where(in_c, normed, row), mask=in_w)
+
+    @triton.jit
+    def _sigmoid_gated_heads_kernel(attn_ptr, g_ptr, out_ptr, T, H, stride_ab, stride_ah, stride_at, stride_gb,
+                                    stride_gt, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         """One token's outputs of BLOCK_H heads, read from the attention's [B, heads, T, D] layout and written in
-        the token's row of [B, T, heads * D], times sigmoid(g) (in fp32, rounded to g's dtype, as torch.sigmoid
-        does), the product rounded."""
+        the token's row of [B, T, heads * D], times sigmoid(g) (g's rows `stride_gb` / `stride_gt` apart; in fp32,
+        rounded to g's dtype, as torch.sigmoid does), the product rounded."""
         n = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -237,7 +260,8 @@ if triton is not None:
         a = tl.load(attn_ptr + (n // T) * stride_ab + (n % T) * stride_at + offs_h[:, None] * stride_ah
                     + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         row = (n * H + offs_h[:, None]) * D + offs_d[None, :]
-        g = tl.load(g_ptr + row, mask=mask, other=0.0)
+        g = tl.load(g_ptr + (n // T) * stride_gb + (n % T) * stride_gt + offs_h[:, None] * D + offs_d[None, :],
+                    mask=mask, other=0.0)
         gate = tl.sigmoid(g.to(tl.float32)).to(g.dtype).to(tl.float32)
         tl.store(out_ptr + row, (a * gate).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -350,6 +374,66 @@ if triton is not None:
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + (b * H + h) * C + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
 
+    @triton.jit
+    def _conv_step(x_row, w_ptr, hist_row, hist_out_row, channels, K: tl.constexpr):
+        """One token's causal conv + SiLU over `channels` of one row: sum_j w_j in_j over in = [the K-1 inputs of
+        the history, x] in fp32 (history and weight in x's dtype first), rounded to x's dtype before and after the
+        SiLU, as `short_conv` does; returned in fp32. The history moves on by one input (x), written to hist_out_row
+        after every tap was read (it may be the same buffer: each value is read and written by the same thread)."""
+        x = tl.load(x_row + channels)
+        acc = tl.zeros(channels.shape, dtype=tl.float32)
+        for j in tl.static_range(K - 1):
+            tap = tl.load(hist_row + channels * (K - 1) + j).to(x.dtype)
+            acc += tap.to(tl.float32) * tl.load(w_ptr + channels * K + j).to(x.dtype).to(tl.float32)
+            if j > 0:
+                tl.store(hist_out_row + channels * (K - 1) + j - 1, tap.to(hist_out_row.dtype.element_ty))
+        acc += x.to(tl.float32) * tl.load(w_ptr + channels * K + K - 1).to(x.dtype).to(tl.float32)
+        tl.store(hist_out_row + channels * (K - 1) + K - 2, x.to(hist_out_row.dtype.element_ty))
+        y = acc.to(x.dtype).to(tl.float32)
+        return (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32)
+
+    @triton.jit
+    def _kda_decode_step_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, q_w_ptr, k_w_ptr, v_w_ptr,
+                                q_hist_ptr, k_hist_ptr, v_hist_ptr, q_hist_out_ptr, k_hist_out_ptr, v_hist_out_ptr,
+                                g_ptr, beta_ptr, gate_ptr, stride_g, stride_beta, stride_gate, a_log_ptr, dt_bias_ptr,
+                                state_ptr, state_out_ptr, norm_w_ptr, out_ptr, H, lower_bound, scale, eps,
+                                D: tl.constexpr, K: tl.constexpr, LOWER_BOUND: tl.constexpr):
+        """One program per (row, head): the head's short convs of q, k, v (histories [B, H * D, K-1], moved on in
+        place), q and k L2-normed (q scaled), the decay `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` (with
+        LOWER_BOUND, else `-exp(A_log) * softplus(g + dt_bias)`) and beta = sigmoid(b), one delta-rule step of the
+        head's fp32 state [D, D] (read once, written once), its output o = S^T q, then o rounded to the output dtype,
+        its RMSNorm times the weight and times sigmoid(gate), each rounded as `gated_rms_norm` rounds. The program
+        owns its head's channels of every history and its state: no other program reads what it overwrites."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs = tl.arange(0, D)
+        channels = h * D + offs
+        hist = b * H * D * (K - 1)
+        q = _conv_step(q_ptr + b * stride_q, q_w_ptr, q_hist_ptr + hist, q_hist_out_ptr + hist, channels, K)
+        k = _conv_step(k_ptr + b * stride_k, k_w_ptr, k_hist_ptr + hist, k_hist_out_ptr + hist, channels, K)
+        v = _conv_step(v_ptr + b * stride_v, v_w_ptr, v_hist_ptr + hist, v_hist_out_ptr + hist, channels, K)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        x = (tl.load(g_ptr + b * stride_g + channels).to(tl.float32)
+             + tl.load(dt_bias_ptr + channels).to(tl.float32))
+        a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        if LOWER_BOUND:
+            g = lower_bound * tl.sigmoid(a * x)
+        else:  # softplus as torch's: x itself above 20
+            g = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        beta = tl.sigmoid(tl.load(beta_ptr + b * stride_beta + h).to(tl.float32))
+        tile = (b * H + h) * D * D + offs[:, None] * D + offs[None, :]
+        s = tl.load(state_ptr + tile) * tl.exp(g)[:, None]
+        delta = beta * (v - tl.sum(k[:, None] * s, axis=0))
+        s += k[:, None] * delta[None, :]
+        tl.store(state_out_ptr + tile, s)
+        dtype = out_ptr.dtype.element_ty
+        o = tl.sum(q[:, None] * s, axis=0).to(dtype).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / D + eps)
+        y = (o * rstd * tl.load(norm_w_ptr + offs).to(tl.float32)).to(dtype).to(tl.float32)
+        gate = tl.sigmoid(tl.load(gate_ptr + b * stride_gate + channels).to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(out_ptr + b * H * D + channels, (y * gate).to(dtype))
+
 
 # latent_attention's programs: heads per program, warps, the programs aimed at (batch x splits x head groups), the
 # most keys a split walks in a plain loop, and per build (keys per inner step, pipeline stages): the plain loop for
@@ -455,21 +539,38 @@ def mla_keys(kv, latent, heads, nope_dim, latent_width):
     return out
 
 
+def latent_keys(kv, weight, eps, latent_width, buffer, positions):
+    """MLA's latent `[rms_norm(c) * weight, k_r]` of `kv = [c, k_r]` [B, T, W] (c: the first `latent_width` values),
+    written into `buffer` [B, max_length, W] at `positions` [T] (a static cache's); returns the buffer. W is at most
+    MAX_ROW_WIDTH."""
+    batch, tokens, width = kv.shape
+    block = triton.next_power_of_2(width)
+    if block > MAX_ROW_WIDTH:
+        _refuse("latent_keys", f"rows of {width} values are wider than {MAX_ROW_WIDTH}")
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    _latent_keys_kernel[(batch, tokens)](kv, weight, buffer, positions, kv.stride(0), kv.stride(1), buffer.stride(0),
+                                         buffer.stride(1), float(eps), C=latent_width, W=width, BLOCK=block,
+                                         num_warps=4)
+    return buffer
+
+
 def sigmoid_gated_heads(attn, gate):
     """MLA's gated output: the heads' outputs `attn` [B, heads, T, D] (any strides) as [B, T, heads * D] times
-    sigmoid(`gate`) [B, T, heads * D], in attn's dtype with the torch code's roundings (torch: the transposing copy,
-    the sigmoid and the product, 3 kernels; here 1)."""
+    sigmoid(`gate`) [B, T, heads * D] (its rows may lie apart: a slice of a wider projection's output), in attn's
+    dtype with the torch code's roundings (torch: the transposing copy, the sigmoid and the product, 3 kernels; here
+    1)."""
     batch, heads, length, width = attn.shape
     if attn.stride(-1) != 1:
         attn = attn.contiguous()
-    gate = gate.contiguous()
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
     out = torch.empty(batch, length, heads * width, dtype=attn.dtype, device=attn.device)
     block_d = triton.next_power_of_2(width)
     block_h = max(1, min(triton.next_power_of_2(heads), 2048 // block_d))
     if batch * length:
         _sigmoid_gated_heads_kernel[(batch * length, triton.cdiv(heads, block_h))](
-            attn, gate, out, length, heads, attn.stride(0), attn.stride(1), attn.stride(2), D=width, BLOCK_H=block_h,
-            BLOCK_D=block_d, num_warps=4)
+            attn, gate, out, length, heads, attn.stride(0), attn.stride(1), attn.stride(2), gate.stride(0),
+            gate.stride(1), D=width, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return out
 
 
@@ -548,3 +649,42 @@ def short_conv(inputs, weights, states=None, in_place=False, out_dtype=None):
         outputs.append(y)
         new_states.append(new)
     return outputs, new_states
+
+
+# The widest KDA head the one-kernel decode step takes: one program holds its head's fp32 state [D, D] in registers.
+MAX_KDA_HEAD_DIM = 128
+
+
+def kda_decode_step(projected, conv_weights, conv_states, g_raw, beta_raw, gate_logits, A_log, dt_bias, lower_bound,
+                    scale, state, norm_weight, eps, dtype, in_place=False):
+    """One token of a KDA layer after its projections, in one launch of one program per (row, head): the short
+    convs + SiLU of q, k, v (`projected` [B, 1, heads * D], rows may lie apart as views of a wider projection; conv
+    weights [heads * D, 1, K]; histories `conv_states` [B, heads * D, K-1]), the delta rule with its gate, beta and
+    L2 norms (`g_raw`, `gate_logits` [B, 1, heads, D], `beta_raw` [B, 1, heads], `A_log` [heads], `dt_bias`
+    [heads * D], `lower_bound` or None, the fp32 `state` [B, heads, D, D]) and the output's RMSNorm (`norm_weight`,
+    `eps`) times sigmoid(gate_logits), in `dtype`. D is a power of two up to MAX_KDA_HEAD_DIM, K at least 2.
+
+    Returns (out [B, 1, heads, D] in `dtype`, the new histories, the new fp32 state). `in_place` writes them over
+    the given (contiguous) ones, a static cache's buffers, and returns those."""
+    batch, _, heads, width = g_raw.shape
+    kernel = conv_weights[0].shape[-1]
+    if width & (width - 1) or width > MAX_KDA_HEAD_DIM:
+        _refuse("kda_decode_step", f"head width {width} is not a power of two up to {MAX_KDA_HEAD_DIM}")
+    if kernel < 2:
+        _refuse("kda_decode_step", f"conv kernel size {kernel} has no history")
+    rows = [t.reshape(batch, -1) for t in (*projected, g_raw, beta_raw, gate_logits)]
+    q, k, v, g_raw, beta_raw, gate_logits = (t if t.stride(-1) == 1 else t.contiguous() for t in rows)
+    histories = [h if h.is_contiguous() else h.contiguous() for h in conv_states]
+    new_histories = [h if in_place and h is given else torch.empty_like(h)
+                     for h, given in zip(histories, conv_states)]
+    owned = in_place and state.dtype == torch.float32 and state.is_contiguous()
+    state_in = state if owned else state.float().contiguous()
+    new_state = state if owned else torch.empty_like(state_in)
+    out = torch.empty(batch, 1, heads, width, dtype=dtype, device=q.device)
+    _kda_decode_step_kernel[(batch, heads)](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), *(w.contiguous() for w in conv_weights), *histories,
+        *new_histories, g_raw, beta_raw, gate_logits, g_raw.stride(0), beta_raw.stride(0), gate_logits.stride(0),
+        A_log.contiguous(), dt_bias.contiguous(), state_in, new_state, norm_weight, out, heads,
+        float(lower_bound or 0.0), float(scale), float(eps), D=width, K=kernel, LOWER_BOUND=lower_bound is not None,
+        num_warps=8 if width >= 128 else 4)
+    return out, new_histories, new_state

@@ -21,9 +21,11 @@ try:
     from .configuration_kimi_k3 import check_fast_paths
     from .fused_triton import MAX_ROW_WIDTH, supported as fused_supported
     from .fused_triton import attn_res_mix as triton_attn_res_mix, gated_rms_norm as triton_gated_rms_norm
-    from .fused_triton import latent_attention as triton_latent_attention, mla_keys as triton_mla_keys
+    from .fused_triton import latent_attention as triton_latent_attention, latent_keys as triton_latent_keys
+    from .fused_triton import mla_keys as triton_mla_keys
     from .fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from .fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
+    from .fused_triton import MAX_KDA_HEAD_DIM, kda_decode_step as triton_kda_decode_step
     from .kda import kda_forward, supported as fla_supported
     from .mxfp4_triton import (routed_expert_sum as triton_routed_expert_sum, routed_experts as triton_routed_experts,
                                situ_glu as triton_situ_glu)
@@ -32,9 +34,11 @@ except ImportError:  # imported from the repository root rather than as transfor
     from configuration_kimi_k3 import check_fast_paths
     from fused_triton import MAX_ROW_WIDTH, supported as fused_supported
     from fused_triton import attn_res_mix as triton_attn_res_mix, gated_rms_norm as triton_gated_rms_norm
-    from fused_triton import latent_attention as triton_latent_attention, mla_keys as triton_mla_keys
+    from fused_triton import latent_attention as triton_latent_attention, latent_keys as triton_latent_keys
+    from fused_triton import mla_keys as triton_mla_keys
     from fused_triton import pair_sum_norm as triton_pair_sum_norm, router_topk as triton_router_topk
     from fused_triton import short_conv as triton_short_conv, sigmoid_gated_heads as triton_sigmoid_gated_heads
+    from fused_triton import MAX_KDA_HEAD_DIM, kda_decode_step as triton_kda_decode_step
     from kda import kda_forward, supported as fla_supported
     from mxfp4_triton import (routed_expert_sum as triton_routed_expert_sum, routed_experts as triton_routed_experts,
                               situ_glu as triton_situ_glu)
@@ -54,6 +58,7 @@ class FastPaths:
     fused: bool = False
     side_streams: bool = False
     cuda_graphs: bool = False
+    merged_projections: bool = False
 
     def __str__(self):
         return ", ".join(f"{f.name}={'on' if getattr(self, f.name) else 'off'}" for f in dataclasses.fields(self))
@@ -76,8 +81,10 @@ class Ops:
     add_attn_res_mix: callable
     short_convs: callable
     delta_rule: callable
+    kda_decode_step: callable
     gated_rms_norm: callable
     mla_keys: callable
+    latent_keys: callable
     sigmoid_gated_heads: callable
     latent_attention: callable
     router_logits: callable
@@ -110,8 +117,13 @@ def shape_limits(config):
         ("fused", "attn_res_mix", "hidden_size", text.hidden_size, text.hidden_size <= widest, f"<= {widest}"),
         ("fused", "pair_sum_norm", "routed_expert_hidden_size", text.routed_expert_hidden_size,
          text.routed_expert_hidden_size <= widest, f"<= {widest}"),
+        ("fused", "latent_keys", "kv_lora_rank + qk_rope_head_dim", text.kv_lora_rank + text.qk_rope_head_dim,
+         text.kv_lora_rank + text.qk_rope_head_dim <= widest, f"<= {widest}"),
         ("fused", "gated_rms_norm", "linear_attn_config.head_dim", lac["head_dim"], _power_of_two(lac["head_dim"]),
          "a power of two"),
+        ("fused", "kda_decode_step", "linear_attn_config.head_dim", lac["head_dim"],
+         _power_of_two(lac["head_dim"]) and lac["head_dim"] <= MAX_KDA_HEAD_DIM,
+         f"a power of two up to {MAX_KDA_HEAD_DIM}"),
         ("fused", "router_topk", "num_experts_per_token", text.num_experts_per_token,
          _power_of_two(text.num_experts_per_token), "a power of two"),
         ("experts", "routed_experts", "quantization_config", "packed" if _experts_packed(config) else "float",
@@ -142,7 +154,16 @@ def _device_unsupported(path, device):
         return None if fused_supported(device) else "needs triton and a CUDA device (or Triton's CPU interpreter)"
     if path in ("kda", "kda_prefill"):
         return None if fla_supported(device) else "needs fla-core and a CUDA device"
+    if path == "merged_projections":
+        return None
     return None if device.type == "cuda" else "needs a CUDA device"
+
+
+def _taken_by_auto(path, device):
+    """Whether "auto" takes a path that can run on `device`: every path, but the merged projections on CUDA only,
+    where one matmul instead of several pays (a decode step is bound by its launches); on the CPU the separate
+    matmuls stay, the reference that tests compare with (an fp32 matmul of several rows may round differently)."""
+    return path != "merged_projections" or device.type == "cuda"
 
 
 def requested_with_environment(requested):
@@ -155,15 +176,15 @@ def requested_with_environment(requested):
 
 
 def resolve_fast_paths(requested, device):
-    """The `FastPaths` for tensors on `device`: "auto" takes a path where it can run there, "on" requires it (an
-    error naming the path and why not), "off" takes the reference."""
+    """The `FastPaths` for tensors on `device`: "auto" takes a path where it can run there (`_taken_by_auto`), "on"
+    requires it (an error naming the path and why not), "off" takes the reference."""
     device = torch.device(device)
     chosen = {}
     for path, choice in requested_with_environment(requested).items():
         why = _device_unsupported(path, device) if choice != "off" else None
         if choice == "on" and why:
             raise ValueError(f"fast_paths[{path!r}] is 'on', but it {why} (tensors on {device})")
-        chosen[path] = choice != "off" and why is None
+        chosen[path] = why is None and (choice == "on" or choice == "auto" and _taken_by_auto(path, device))
     return FastPaths(**chosen)
 
 
@@ -219,9 +240,24 @@ def fused_short_convs(projected, convs, conv_states, in_place, out_dtype=None):
     return triton_short_conv(projected, [c.weight for c in convs], conv_states, in_place, out_dtype)
 
 
+def fused_kda_decode_step(projected, convs, conv_states, g_raw, beta_raw, gate_logits, A_log, dt_bias, lower_bound,
+                          scale, state, norm, dtype, in_place=False):
+    """`modeling_kimi_k3.kda_decode_step` as one kernel (`fused_triton.kda_decode_step`): the short convs, the
+    delta rule (in place of fla's recurrent kernel, whatever the `kda` path says) and the gated norm."""
+    return triton_kda_decode_step(projected, [c.weight for c in convs], conv_states, g_raw, beta_raw, gate_logits,
+                                  A_log, dt_bias, lower_bound, scale, state, norm.weight, norm.variance_epsilon,
+                                  dtype, in_place)
+
+
 def fused_gated_rms_norm(o, gate_logits, norm, dtype):
     """`modeling_kimi_k3.gated_rms_norm` as one kernel (`fused_triton.gated_rms_norm`)."""
     return triton_gated_rms_norm(o, gate_logits, norm.weight, norm.variance_epsilon, dtype)
+
+
+def fused_latent_keys(kv, norm, latent_width, buffer, positions):
+    """`modeling_kimi_k3.latent_keys` into a static cache's buffer as one kernel (`fused_triton.latent_keys`: the
+    norm, the concatenation and the write)."""
+    return triton_latent_keys(kv, norm.weight, norm.variance_epsilon, latent_width, buffer, positions)
 
 
 def fused_latent_attention(q_latent, q_rope, latent, positions, key_mask, scale):
@@ -263,8 +299,10 @@ def resolve_ops(paths, reference, skipped=()):
     if paths.fused:
         kernels.update(situ_glu=triton_situ_glu, attn_res_mix=fused_attn_res_mix,
                        add_attn_res_mix=fused_add_attn_res_mix, short_convs=fused_short_convs,
+                       kda_decode_step=fused_kda_decode_step,
                        gated_rms_norm=fused_gated_rms_norm, mla_keys=triton_mla_keys,
                        sigmoid_gated_heads=triton_sigmoid_gated_heads, latent_attention=fused_latent_attention,
+                       latent_keys=fused_latent_keys,
                        router_logits=fp32_router_logits, router_topk=triton_router_topk,
                        pair_sum_norm=fused_pair_sum_norm)
     if paths.experts:
@@ -272,7 +310,11 @@ def resolve_ops(paths, reference, skipped=()):
     kernels = {name: on_input_device(fn) for name, fn in kernels.items() if name not in skipped}
     if paths.kda or paths.kda_prefill:
         kernels["delta_rule"] = on_input_device(fla_delta_rule(paths.kda_prefill, paths.kda))
-    return dataclasses.replace(reference, paths=paths, **kernels)
+    table = dataclasses.replace(reference, paths=paths, **kernels)
+    if "kda_decode_step" in kernels:
+        return table
+    # without its one kernel a KDA decode step is the table's own short convs, delta rule and gated norm
+    return dataclasses.replace(table, kda_decode_step=functools.partial(reference.kda_decode_step, parts=table))
 
 
 class FastPathDispatch:

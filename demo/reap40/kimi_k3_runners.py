@@ -60,22 +60,23 @@ class SideBranch:
 
 
 def kda_side_by_side(attn, x, cache, ops):
-    """`KimiK3DeltaAttention.forward` (after masking) with the gate inputs beside the q/k/v projections and convs."""
+    """`KimiK3DeltaAttention.forward` (after masking) with the gate inputs beside the q/k/v projections."""
     own = attn.cache_layer(cache)
     branch = SideBranch(x)
     with branch:
         gates = attn.gate_inputs(x)
-    qkv = attn.qkv(x, own, ops)
+    projected = attn.qkv(x)
     branch.join()
-    return attn.delta_rule(x, qkv, gates, own, ops)
+    return attn.delta_rule(x, projected, gates, own, ops)
 
 
-def mla_side_by_side(attn, x, attention_mask, cache, positions, ops):
-    """`KimiK3MLAttention.forward` with the query path and output gate beside the latent's path through the cache."""
+def mla_side_by_side(attn, x, attention_mask, cache, positions, ops, merged=None):
+    """`KimiK3MLAttention.forward` with the query path and output gate beside the latent's path through the cache
+    (after the one matmul of x's projections, where `merged` holds its outputs)."""
     branch = SideBranch(x)
     with branch:
-        queries = attn.queries(x)
-    keys = attn.keys(x, cache, positions)
+        queries = attn.queries(x, merged)
+    keys = attn.keys(x, cache, positions, merged)
     branch.join()
     return attn.attend(queries, keys, attention_mask, positions, ops)
 

@@ -421,6 +421,20 @@ if triton is not None:
             b0 += CHUNK
 
     @triton.jit
+    def _expert_inputs_kernel(z_ptr, x_ptr, y_ptr, stride_z, L: tl.constexpr, PERMUTE: tl.constexpr,
+                              ZERO: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per (row, BLOCK columns) of the expert kernels' inputs: the latents as bf16, in the lop3 K
+        order where PERMUTE (per group of 32: the 16 even elements, then the 16 odd), and with ZERO the row of the
+        fp32 sum the w2 kernel adds into, zeroed."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < L
+        src = offs // 32 * 32 + offs % 16 * 2 + offs % 32 // 16 if PERMUTE else offs
+        tl.store(x_ptr + row * L + offs, tl.load(z_ptr + row * stride_z + src, mask=mask).to(tl.bfloat16), mask=mask)
+        if ZERO:
+            tl.store(y_ptr + row * L + offs, tl.zeros((BLOCK,), dtype=tl.float32), mask=mask)
+
+    @triton.jit
     def _scatter_rows_kernel(src_ptr, index_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         """One program per (row, BLOCK columns): row i of src copied to row index[i] of out (the same bits)."""
         row = tl.program_id(0).to(tl.int64)
@@ -493,10 +507,9 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
     atomic = config.get("atomic", ATOMIC_COMBINE) if atomic is None else atomic
     atomic = atomic and weights is not None
     block_m = config["BM"]
-    x = z.to(torch.bfloat16).contiguous()  # the kernels take bf16 activations (dot_scaled's "bf16" operand)
-    act = h_dtype or x.dtype  # what the reference rounds the intermediate and each expert's output to
-    if mode == 2:  # the lop3 kernels' K order: per group of 32, the 16 elements of low nibbles, then the 16 high
-        x = x.view(tokens, latent // 32, 16, 2).transpose(2, 3).reshape(tokens, latent)
+    act = h_dtype or torch.bfloat16  # what the reference rounds the intermediate and each expert's output to
+    # the kernels take bf16 activations (dot_scaled's "bf16" operand); the lop3 kernels in their K order
+    x, y = expert_inputs(z, permute=mode == 2, zero_sum=atomic)
     pairs_mode = tokens == 1  # a single token's top-k experts are distinct: one block per pair, no sort
     if pairs_mode:  # the kernels subtract `first` from the router's ids themselves
         rows = block_expert = ids.reshape(-1)
@@ -519,9 +532,7 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         UPCAST=mode, F32_DOT=_INTERPRET, FAST_MATH=fast_math, ACT=_TL_DTYPES[act], PAIRS=pairs_mode,
         num_warps=warps, num_stages=stages,
     )
-    if atomic:
-        y = torch.zeros(tokens, latent, dtype=torch.float32, device=x.device)
-    else:
+    if not atomic:
         y = (torch.zeros if shared and weights is not None else torch.empty)(pairs, latent, dtype=act, device=x.device)
     flat_weights = y if weights is None else weights.reshape(-1).float().contiguous()  # y: a pointer never read
     bn, bk, warps, stages = config["w2"]
@@ -536,6 +547,22 @@ def run_experts(stack, z, ids, weights, num_experts, beta, linear_beta, config=N
         return y
     y = y.view(tokens, top_k, latent)
     return y if weights is None else (y.float() * flat_weights.view(tokens, top_k, 1)).sum(1)
+
+
+def expert_inputs(z, permute, zero_sum):
+    """The expert kernels' inputs from the latents z [N, L], in one launch where any work is needed: (bf16 z, in the
+    lop3 K order with `permute`: per group of 32 the 16 elements of low nibbles, then the 16 of high ones; with
+    `zero_sum` a zeroed fp32 [N, L] for the w2 kernel's weighted sum, else None)."""
+    tokens, latent = z.shape
+    if not permute and not zero_sum and z.dtype == torch.bfloat16 and z.stride(-1) == 1:
+        return z, None
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    x = torch.empty(tokens, latent, dtype=torch.bfloat16, device=z.device)
+    y = torch.empty(tokens, latent, dtype=torch.float32, device=z.device) if zero_sum else x  # x: not written
+    block = min(1024, triton.next_power_of_2(latent))
+    _expert_inputs_kernel[(tokens, triton.cdiv(latent, block))](z, x, y, z.stride(0), L=latent, PERMUTE=permute,
+                                                                ZERO=zero_sum, BLOCK=block, num_warps=4)
+    return x, (y if zero_sum else None)
 
 
 def dequantize(packed, scale, out=None, out_rows=None):

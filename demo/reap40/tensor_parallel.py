@@ -291,6 +291,7 @@ def load_tensor_parallel(cls, pretrained_model_name_or_path, *model_args, fast_p
     model.eval()
     model.tensor_parallel = tp
     model.stack_experts()
+    model.merge_projections()  # this rank's slices of each projection, one buffer a block
     check_loaded_scales(model, directory)
     model.dispatch.resolved(device)  # resolve (and log) the fast paths
     load_generation_config(model, directory)
