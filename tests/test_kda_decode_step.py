@@ -15,7 +15,6 @@ import textwrap
 import pytest
 import torch
 
-import modeling_kimi_k3
 from kda import kda_forward
 from kimi_k3_dispatch import FastPaths, check_shapes, fused_kda_decode_step, fused_short_convs, resolve_ops
 from modeling_kimi_k3 import (REFERENCE_OPS, KimiK3Cache, KimiK3RMSNorm, KimiK3ShortConv, KimiK3StaticCache,

@@ -17,7 +17,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensor_parallel
